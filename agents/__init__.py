@@ -1,0 +1,1 @@
+"""Policies (token-in/token-out generation backends) and the multi-turn rollout driver."""

@@ -1,0 +1,206 @@
+"""ChatFormat: a tokenizer, its chat template and the episode's tool schemas, and the few operations on them that
+the conversation layer needs — render, encode, decode, and the *template delta* that follows an assistant turn.
+
+Everything here works on text rendered by the tokenizer's own `apply_chat_template` (never a separate Jinja
+environment: `tojson` behaves differently there) and is tokenized as whole pieces of template output, never as
+message contents on their own (their edges merge with the wrapper around them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .errors import ChatFormatError, ConversationError
+
+ROLES = ("system", "user", "assistant", "tool")
+OBSERVATION_ROLES = ("tool", "user", "system")
+
+# Placeholders used to locate the delta in a rendered probe conversation. No whitespace at their edges (templates
+# such as Llama-3.1 trim contents) and nothing a tokenizer could mistake for a control token.
+_USER_SENTINEL = "MTENVUSERSENTINEL"
+_ASSISTANT_SENTINEL = "MTENVASSISTANTSENTINEL"
+# Inserted after the first character of control-token text found in observations, so that it stays plain text.
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+class ChatFormat:
+    """How one tokenizer + chat template + tool set turns messages into text and token ids.
+
+    Args:
+        tokenizer: a Hugging Face *fast* tokenizer with a ``chat_template``.
+        tools: OpenAI function-tool schemas rendered into the prompt (exactly the tools the episode may call).
+        template_kwargs: extra variables for the template, e.g. ``{"enable_thinking": False}`` for Qwen3.
+        end_of_turn: the token that ends an assistant turn; defaults to the tokenizer's EOS token.
+        control_text_in_observations: what to do when tool output or another observation contains the text of a
+            control token such as ``<|im_end|>`` (which would otherwise be encoded as the real token and could forge
+            a turn boundary): ``"escape"`` (default) inserts a zero-width space after its first character,
+            ``"error"`` raises `ChatFormatError`, ``"keep"`` encodes it as the control token.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        end_of_turn: str | None = None,
+        control_text_in_observations: str = "escape",
+    ):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ChatFormatError(
+                f"tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} has no chat template; "
+                "set tokenizer.chat_template or use mt_env.tokenizer.offline_tokenizer()"
+            )
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise ChatFormatError("mt_env needs a fast (Rust-backed) tokenizer: load it with use_fast=True")
+        if control_text_in_observations not in ("escape", "error", "keep"):
+            raise ChatFormatError(f"control_text_in_observations must be escape/error/keep, got {control_text_in_observations!r}")
+        self.tokenizer = tokenizer
+        self.tools = [dict(t) for t in tools] if tools else None
+        self.template_kwargs = dict(template_kwargs or {})
+        self.control_text_policy = control_text_in_observations
+        self._backend = backend
+        self.vocab_size = len(tokenizer)
+
+        eot = end_of_turn or tokenizer.eos_token
+        if not eot:
+            raise ChatFormatError("the tokenizer has no EOS token; pass end_of_turn= (e.g. '<|im_end|>')")
+        eot_ids = self.encode(eot)
+        if len(eot_ids) != 1:
+            raise ChatFormatError(f"end-of-turn text {eot!r} is {len(eot_ids)} tokens; it must be one (added) token")
+        self.end_of_turn, self.end_of_turn_id = eot, eot_ids[0]
+
+        added = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
+        self.control_texts = tuple(added)
+        self._control_re = re.compile("|".join(map(re.escape, added))) if added else None
+        self._control_first_chars = frozenset(t[0] for t in added)
+
+        self.generation_prompt = self._find_generation_prompt()
+        self.generation_prompt_ids = self.encode(self.generation_prompt)
+        self.turn_tail = self._find_turn_tail()
+        self._conformance = None
+
+    # ----------------------------------------------------------------------------------------- text <-> ids
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        """The template's text for `messages` (with this format's tools and template variables)."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), tools=self.tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt, **self.template_kwargs,
+            )
+        except Exception as e:  # jinja errors, raise_exception() in templates
+            raise ChatFormatError(f"the chat template failed to render {len(messages)} messages: {e}") from e
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; control-token text becomes control tokens; no BOS/EOS is added."""
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, control tokens included (so that it can be compared with rendered templates)."""
+        return self._backend.decode(list(ids), skip_special_tokens=False)
+
+    def check_ids(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not (isinstance(i, int) and 0 <= i < self.vocab_size)]
+        if bad:
+            raise ConversationError(f"token id(s) {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+
+    # ----------------------------------------------------------------------------------------- messages
+    def clean_message(self, message: Mapping[str, Any], observation: bool) -> dict[str, Any]:
+        """A copy of `message` ready for the template: role checked, content a string, control text handled."""
+        if not isinstance(message, Mapping):
+            raise ChatFormatError(f"a message must be a dict with 'role' and 'content', got {type(message).__name__}")
+        role = message.get("role")
+        allowed = OBSERVATION_ROLES if observation else ROLES
+        if role not in allowed:
+            where = "an observation" if observation else "a conversation"
+            hint = " (assistant turns are added from sampled ids with add_assistant)" if role == "assistant" else ""
+            raise ChatFormatError(f"unknown or unexpected role {role!r} in {where}; expected one of {allowed}{hint}")
+        content = message.get("content")
+        content = "" if content is None else content  # Qwen3's template fails on None
+        if not isinstance(content, str):
+            raise ChatFormatError(f"message content must be a string, got {type(content).__name__} (role {role!r})")
+        out = dict(message)
+        out["content"] = self.neutralize_control_text(content) if role in ("user", "tool") else content
+        return out
+
+    def neutralize_control_text(self, text: str) -> str:
+        """Apply the control-text policy to untrusted text (tool output, user messages)."""
+        if self._control_re is None or self.control_text_policy == "keep":
+            return text
+        if not any(c in text for c in self._control_first_chars) or not self._control_re.search(text):
+            return text
+        if self.control_text_policy == "error":
+            found = sorted(set(self._control_re.findall(text)))
+            raise ChatFormatError(f"observation text contains control-token text {found}")
+        return self._control_re.sub(lambda m: m[0][0] + ZERO_WIDTH_SPACE + m[0][1:], text)
+
+    # ----------------------------------------------------------------------------------------- deltas
+    def prompt_text(self, messages: Sequence[Mapping[str, Any]]) -> tuple[str, str]:
+        """(text before the generation prompt, generation prompt) of the rendered prompt."""
+        text = self.render(messages, add_generation_prompt=True)
+        if not text.endswith(self.generation_prompt):
+            raise ChatFormatError(f"the rendered prompt does not end with the generation prompt {self.generation_prompt!r}")
+        return text[: len(text) - len(self.generation_prompt)], self.generation_prompt
+
+    def observation_text(self, observations: Sequence[Mapping[str, Any]], turn_closed: bool = True) -> tuple[str, str]:
+        """(observation text, generation prompt): the exact text the template adds after an assistant turn.
+
+        The observation text includes turn separators (e.g. the newline after ``<|im_end|>``) and the observation
+        messages with their wrappers. If `turn_closed` is False (the model stopped without its end-of-turn token,
+        e.g. on length), it also starts with the template's end-of-turn token.
+        """
+        if not observations:
+            raise ConversationError("an observation needs at least one message")
+        base = [{"role": "user", "content": _USER_SENTINEL}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
+        text = self.render(base + list(observations), add_generation_prompt=True)
+        i = text.find(_ASSISTANT_SENTINEL)
+        if i < 0 or text.find(_ASSISTANT_SENTINEL, i + 1) >= 0:
+            raise ChatFormatError("cannot locate the assistant turn in the rendered template (sentinel not unique)")
+        after = text[i + len(_ASSISTANT_SENTINEL):]
+        if not after.startswith(self.end_of_turn):
+            raise ChatFormatError(
+                f"the template does not end an assistant turn with {self.end_of_turn!r} (it writes {after[:40]!r})"
+            )
+        if turn_closed:
+            after = after[len(self.end_of_turn):]
+        if not after.endswith(self.generation_prompt):
+            raise ChatFormatError("the rendered observation does not end with the generation prompt")
+        return after[: len(after) - len(self.generation_prompt)], self.generation_prompt
+
+    def split_generation_prompt(self, ids: list[int]) -> int:
+        """Index where the trailing generation prompt starts in `ids` (len(ids) when it cannot be told apart)."""
+        n = len(self.generation_prompt_ids)
+        return len(ids) - n if n and ids[-n:] == self.generation_prompt_ids else len(ids)
+
+    def _find_generation_prompt(self) -> str:
+        probe = [{"role": "user", "content": _USER_SENTINEL}]
+        without = self.render(probe, add_generation_prompt=False)
+        with_gen = self.render(probe, add_generation_prompt=True)
+        if not with_gen.startswith(without) or with_gen == without:
+            raise ChatFormatError("the template's generation prompt is not a suffix added by add_generation_prompt=True")
+        return with_gen[len(without):]
+
+    def _find_turn_tail(self) -> str:
+        """What the template writes after the end-of-turn token of a final assistant message (``\\n`` for ChatML)."""
+        base = [{"role": "user", "content": _USER_SENTINEL}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
+        text = self.render(base, add_generation_prompt=False)
+        return text.split(_ASSISTANT_SENTINEL + self.end_of_turn, 1)[-1] if _ASSISTANT_SENTINEL in text else ""
+
+    # ----------------------------------------------------------------------------------------- conformance
+    @property
+    def conformance(self):
+        """The `TemplateReport` of this format on mt_env's probe conversations (computed once)."""
+        if self._conformance is None:
+            from .conformance import check_template
+
+            self._conformance = check_template(self)
+        return self._conformance
+
+    def __repr__(self) -> str:
+        tools = [t.get("function", t).get("name") for t in self.tools or []]
+        return f"ChatFormat({getattr(self.tokenizer, 'name_or_path', '?')!r}, tools={tools}, eot={self.end_of_turn!r})"

@@ -1,0 +1,25 @@
+"""Every exception mt_env raises on purpose, in one place. All derive from `MtEnvError`."""
+
+
+class MtEnvError(Exception):
+    """Base class of mt_env's errors."""
+
+
+class TokenizerError(MtEnvError):
+    """A tokenizer cannot be built or lacks what mt_env needs (e.g. a chat template)."""
+
+
+class ChatFormatError(MtEnvError):
+    """Messages or a chat template that mt_env cannot turn into token ids faithfully."""
+
+
+class ConversationError(MtEnvError):
+    """A conversation was used out of order: an observation before any assistant turn, a bad token id, ..."""
+
+
+class BudgetError(ConversationError):
+    """A token budget cannot be met, e.g. the prompt alone is longer than `max_prompt_tokens`."""
+
+
+class DriftError(ConversationError):
+    """The token ids no longer match what the chat template renders for the conversation's messages."""

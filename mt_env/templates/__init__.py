@@ -1,0 +1,1 @@
+"""Chat templates written for mt_env (Jinja, in the formats the model families use)."""

@@ -1,0 +1,188 @@
+"""Property tests of the conversation → ids → mask → batch pipeline, on three chat-template formats.
+
+Formats: Qwen2.5 with tools (prefix-safe), Qwen3 (strips earlier reasoning; also with enable_thinking=False) and
+Llama-3.1 JSON tools (trims contents) — mt_env's own templates on the offline tokenizers, and the official Qwen
+tokenizers and templates when ../shared is present.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mt_env.batch import pack_samples, pad_samples, sample_fields, unpack, unpad
+from mt_env.chat_format import ChatFormat
+from mt_env.conversation import Conversation, Seg, TokenBudget
+from mt_env.errors import ConversationError, DriftError
+from mt_env.tokenizer import offline_tokenizer
+
+from .conftest import LOOKUP_TOOL, shared_tokenizer
+from .strategies import conversation_plan, play
+
+FORMATS = {
+    "qwen2.5": lambda: ChatFormat(offline_tokenizer("qwen2.5"), tools=[LOOKUP_TOOL]),
+    "qwen3": lambda: ChatFormat(offline_tokenizer("qwen3"), tools=[LOOKUP_TOOL]),
+    "qwen3-nothink": lambda: ChatFormat(offline_tokenizer("qwen3"), tools=[LOOKUP_TOOL],
+                                        template_kwargs={"enable_thinking": False}),
+    "llama3.1": lambda: ChatFormat(offline_tokenizer("llama3.1"), tools=[LOOKUP_TOOL]),
+    "official-qwen2.5": lambda: ChatFormat(shared_tokenizer("qwen2.5-instruct"), tools=[LOOKUP_TOOL]),
+    "official-qwen3": lambda: ChatFormat(shared_tokenizer("qwen3"), tools=[LOOKUP_TOOL]),
+}
+_cache: dict[str, ChatFormat] = {}
+
+
+@pytest.fixture(params=list(FORMATS), scope="module")
+def fmt(request) -> ChatFormat:
+    if request.param not in _cache:
+        _cache[request.param] = FORMATS[request.param]()
+    return _cache[request.param]
+
+
+@pytest.mark.parametrize("name,conforms", [("qwen2.5", True), ("qwen3", False), ("qwen3-nothink", False),
+                                           ("llama3.1", False)])
+def test_checker_verdicts(name, conforms):
+    assert FORMATS[name]().conformance.conforms is conforms
+
+
+@given(plan=conversation_plan())
+def test_ids_mask_segments_are_one_record(fmt, plan):
+    conv = play(fmt, plan)
+    for sample in conv.samples():
+        n = len(sample.ids)
+        kinds, turns, mask = sample.kinds(), sample.turns(), sample.loss_mask()
+        assert len(kinds) == len(turns) == len(mask) == len(sample.logprobs) == len(sample.rewards) == n
+        # segments tile the sample exactly
+        assert [s.start for s in sample.segments[1:]] == [s.end for s in sample.segments[:-1]]
+        assert sample.segments[0].start == 0 and sample.segments[-1].end == n
+        # the mask is 1 exactly on sampled tokens
+        assert mask == [int(k == Seg.SAMPLED) for k in kinds]
+        # rewards only on sampled tokens
+        assert all(m == 1 for m, r in zip(mask, sample.rewards) if r != 0)
+    # decoding the masked-in tokens gives back each assistant output, verbatim
+    for turn in conv.turns:
+        sample = conv.samples_[turn.sample]
+        seg = next(s for s in sample.segments if s.kind == Seg.SAMPLED and s.turn == turn.index)
+        assert sample.ids[seg.start:seg.end] == turn.ids
+        assert conv.fmt.decode(turn.ids) == turn.text + (conv.fmt.end_of_turn if turn.closed else "")
+        planned = plan.turns[turn.index][0]
+        assert unicodedata.normalize("NFC", turn.text) == unicodedata.normalize("NFC", planned)
+        assert sample.logprobs[seg.start:seg.end] == turn.logprobs
+
+
+@given(plan=conversation_plan())
+def test_incremental_equals_full_rendering_or_raises(fmt, plan):
+    """Strict incremental mode: either the ids equal the template's full rendering around the sampled text, or
+    DriftError is raised — never silent. Judged independently, by decoding the ids."""
+    conv = play(fmt, plan, mode="incremental", strict=False)
+    sample = conv.current
+    last = sample.segments[-1]
+    upto = last.start if last.kind == Seg.SAMPLED else len(sample.ids)
+    n_msgs = conv.turns[last.turn].message_index if last.kind == Seg.SAMPLED else len(conv.template_messages)
+    rendered = fmt.render(conv.template_messages[:n_msgs], add_generation_prompt=True)
+    # the tokenizers normalize to NFC (trap 4), so texts are compared in that form
+    nfc = lambda text: unicodedata.normalize("NFC", text)  # noqa: E731
+    matches = nfc(fmt.decode(sample.ids[:upto])) == nfc(rendered)
+    if matches:
+        conv.check_drift()
+    else:
+        with pytest.raises(DriftError):
+            conv.check_drift()
+    if fmt.conformance.conforms:
+        assert matches, "a conforming template drifted"
+
+
+@given(plan=conversation_plan())
+def test_conforming_template_canonical_ids_equal_full_tokenization(fmt, plan):
+    """With canonical sampling and no whitespace at a turn start (trap 1: it merges with the generation prompt's
+    newline), the incremental ids are exactly the tokenization of the whole rendered conversation."""
+    if not fmt.conformance.conforms:
+        pytest.skip("only meaningful for prefix-safe templates")
+    plan.turns = [("A" + text.lstrip(), splits, closed) for text, splits, closed in plan.turns]
+    conv = play(fmt, plan, mode="incremental", canonical=True)
+    text = "".join(s.text for s in conv.current.segments)
+    assert conv.current.ids == fmt.encode(text)
+
+
+@given(plan=conversation_plan())
+def test_per_turn_samples_are_what_the_model_saw(fmt, plan):
+    conv = play(fmt, plan, mode="per_turn")
+    samples = conv.samples()
+    assert len(samples) == len(conv.samples_)
+    for turn in conv.turns:
+        sample = samples[turn.sample]
+        history = conv.template_messages[:turn.message_index]
+        assert sample.ids[:sample.prompt_len] == fmt.encode(fmt.render(history, add_generation_prompt=True))
+        assert sample.ids[sample.prompt_len:] == turn.ids
+        assert sum(sample.loss_mask()) == len(turn.ids)
+
+
+@given(plans=st.lists(conversation_plan(max_turns=3), min_size=1, max_size=4))
+def test_padding_and_packing_round_trip(fmt, plans):
+    samples = [s for p in plans for s in play(fmt, p).samples()]
+    expected = [sample_fields(s) for s in samples]
+    padded = pad_samples(samples, pad_token_id=fmt.tokenizer.pad_token_id)
+    assert unpad(padded) == expected
+    assert unpack(pack_samples(samples)) == expected
+    am, pos = padded["attention_mask"], padded["position_ids"]
+    assert torch.equal(am.sum(1), padded["prompt_lengths"] + padded["response_lengths"])
+    assert bool((pos >= 0).all()) and int(pos.max()) < am.shape[1]
+    # positions are 0..n-1 over the real tokens of every row
+    for b in range(am.shape[0]):
+        assert pos[b][am[b].bool()].tolist() == list(range(int(am[b].sum())))
+    # every response starts at the same column, right after the left-padded prompt
+    P = padded["prompts"].shape[1]
+    assert bool((am[:, P - 1] == 1).all())
+    assert torch.equal(padded["input_ids"], torch.cat([padded["prompts"], padded["responses"]], 1))
+
+
+@given(
+    plan=conversation_plan(),
+    max_response=st.one_of(st.none(), st.integers(1, 120)),
+    slack=st.one_of(st.none(), st.integers(1, 200)),
+    max_obs=st.one_of(st.none(), st.integers(1, 40)),
+    keep=st.sampled_from(["head", "tail", "middle"]),
+)
+def test_budgets_hold(fmt, plan, max_response, slack, max_obs, keep):
+    prompt_len = Conversation(fmt, plan.prompt).prompt_len
+    budget = TokenBudget(max_response_tokens=max_response, max_total_tokens=None if slack is None else prompt_len + slack,
+                         max_observation_tokens=max_obs, observation_keep=keep)
+    conv = play(fmt, plan, budget=budget)
+    for sample in conv.samples_:
+        assert len(sample.ids) - conv.prompt_len <= (max_response if max_response is not None else 10**9)
+        assert len(sample.ids) <= (budget.max_total_tokens or 10**9)
+    if max_obs is not None and conv.mode == "incremental":
+        for seg in conv.current.segments:
+            if seg.kind == Seg.OBSERVATION:
+                assert len(seg) <= max_obs
+    if len(conv.turns) < len(plan.turns):  # stopped early: only a budget does that
+        assert conv.truncated and conv.truncation_reason
+        with pytest.raises(ConversationError):
+            conv.add_assistant([1])
+
+
+@given(plan=conversation_plan(max_turns=1))
+def test_single_turn_loss_mask_equals_classic_eos_mask(fmt, plan):
+    """For one turn, the loss mask is the classic response mask: 1 up to and including the first EOS, 0 after."""
+    conv = play(fmt, plan)
+    batch = pad_samples(conv.samples(), pad_token_id=fmt.tokenizer.pad_token_id)
+    responses = batch["responses"]
+    is_eos = (responses == fmt.end_of_turn_id).long()
+    before_or_at_first_eos = (is_eos.cumsum(1) - is_eos) == 0
+    real = batch["attention_mask"][:, batch["prompts"].shape[1]:].bool()
+    assert torch.equal(batch["loss_mask"].bool(), before_or_at_first_eos & real)
+
+
+@pytest.fixture(scope="session")
+def official_qwen25():
+    return shared_tokenizer("qwen2.5-instruct")
+
+
+@given(text=st.one_of(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=200),
+                      st.text(st.sampled_from("ab 12\n\t<|>_/imendtool_call"), max_size=80)))
+def test_offline_tokenizer_encodes_like_the_official_one(official_qwen25, text):
+    mine = offline_tokenizer("qwen2.5")
+    assert mine(text, add_special_tokens=False).input_ids == official_qwen25(text, add_special_tokens=False).input_ids

@@ -1,0 +1,1 @@
+"""Trainers: `ppo.py` (PPO with GAE, and GRPO), SFT warm start, evaluation."""
