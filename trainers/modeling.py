@@ -1,0 +1,157 @@
+"""Models for the trainer: the policy (a causal LM) and the critic, with forward passes that return per-token
+logprobs / values only where they are needed (sampled tokens), and block-diagonal attention for packed batches.
+
+Alignment: for a row of ``input_ids``, output position ``t`` holds the quantity *for token t* — the logprob the model
+gave token ``t`` from the prefix before it, or the critic's value of that prefix. Positions whose token is not a
+target (``target_mask == 0``: prompt, observations, padding, the first token of each packed sequence) hold 0.
+Only target positions go through the LM head, so a 150k vocabulary costs nothing on prompt and tool tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+#: Architecture presets (random init) — public shapes of real models, for speed figures without weights.
+PRESETS: dict[str, dict] = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                         rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936),
+    "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
+                       num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936),
+}
+
+
+def build_causal_lm(path: str | None = None, preset: str | None = None, config: dict | None = None,
+                    vocab_size: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
+                    attn_implementation: str = "sdpa"):
+    """A causal LM: pretrained from `path`, or randomly initialised from a `preset` and/or `config` overrides
+    (a Qwen2 architecture). `vocab_size` overrides the config's (e.g. to match a small tokenizer)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    if path:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    if preset and preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)} or give a path")
+    kwargs = dict(PRESETS.get(preset, {}))
+    kwargs.update(config or {})
+    if vocab_size is not None:
+        kwargs["vocab_size"] = vocab_size
+    cfg = Qwen2Config(**kwargs)
+    cfg._attn_implementation = attn_implementation
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(cfg)
+    return model.to(dtype)
+
+
+def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementation: str):
+    """Causal attention restricted to each packed sequence (block-diagonal), for ``seq_ids`` of shape [1, T].
+
+    Restarting position ids alone do not separate sequences: sdpa and flex attention would still let a sequence
+    attend to the one packed before it. For ``flex_attention`` this returns a `BlockMask`; otherwise an additive
+    float mask [1, 1, T, T] (0 where attention is allowed, the dtype's minimum elsewhere).
+    """
+    T = seq_ids.shape[-1]
+    if implementation == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        ids = seq_ids[0]
+
+        def document_causal(b, h, q, kv):
+            return (ids[q] == ids[kv]) & (q >= kv)
+
+        return create_block_mask(document_causal, None, None, T, T, device=seq_ids.device)
+    same = seq_ids[0][:, None] == seq_ids[0][None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=seq_ids.device).tril()
+    allowed = same & causal
+    mask = torch.zeros(T, T, dtype=dtype, device=seq_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]
+
+
+def _attention_kwargs(model_config, input_ids, attention_mask, position_ids, seq_ids, dtype):
+    if seq_ids is not None:  # packed layout: one row, block-diagonal causal attention
+        impl = getattr(model_config, "_attn_implementation", "sdpa")
+        return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
+    return dict(attention_mask=attention_mask, position_ids=position_ids)
+
+
+def _targets(input_ids: torch.Tensor, target_mask: torch.Tensor):
+    """Boolean [B, L-1] of prediction positions (hidden state t predicts token t+1), and their target tokens."""
+    predict = target_mask[:, 1:] > 0
+    return predict, input_ids[:, 1:][predict]
+
+
+def _scatter(values: torch.Tensor, predict: torch.Tensor, shape) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=values.dtype, device=values.device)
+    out[:, 1:][predict] = values
+    return out
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+class PolicyModel(nn.Module):
+    """Wraps a Hugging Face causal LM; `forward` returns per-token logprobs (and entropy) at target tokens.
+
+    Going through this module's `forward` (rather than reaching into submodules) keeps DDP/FSDP wrapping by
+    accelerate correct. `self.lm` is the plain HF model, shared (no copy) with the generation backend.
+    """
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, target_mask, attention_mask=None, position_ids=None, seq_ids=None,
+                temperature: float = 1.0, with_entropy: bool = False):
+        backbone = getattr(self.lm, self.lm.base_model_prefix)
+        dtype = next(self.lm.parameters()).dtype
+        hidden = backbone(
+            input_ids=input_ids, use_cache=False,
+            **_attention_kwargs(self.lm.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
+        ).last_hidden_state
+        predict, targets = _targets(input_ids, target_mask)
+        logits = self.lm.get_output_embeddings()(hidden[:, :-1][predict]).float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+        out_lp = _scatter(logprobs, predict, input_ids.shape)
+        if not with_entropy:
+            return out_lp, None
+        return out_lp, _scatter(entropy_from_logits(logits), predict, input_ids.shape)
+
+
+class CriticModel(nn.Module):
+    """A value model: a transformer backbone plus a linear head; `forward` returns values at target tokens.
+
+    Initialised from the policy's backbone weights (a copy) unless given its own backbone.
+    """
+
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @classmethod
+    def from_policy(cls, lm: nn.Module) -> CriticModel:
+        import copy
+
+        backbone = copy.deepcopy(getattr(lm, lm.base_model_prefix))
+        critic = cls(backbone, lm.config.hidden_size)
+        return critic.to(next(lm.parameters()).dtype)
+
+    def forward(self, input_ids, target_mask, attention_mask=None, position_ids=None, seq_ids=None):
+        dtype = next(self.backbone.parameters()).dtype
+        hidden = self.backbone(
+            input_ids=input_ids, use_cache=False,
+            **_attention_kwargs(self.backbone.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
+        ).last_hidden_state
+        predict, _ = _targets(input_ids, target_mask)
+        values = self.head(hidden[:, :-1][predict]).squeeze(-1).float()
+        return _scatter(values, predict, input_ids.shape)
