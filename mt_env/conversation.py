@@ -276,21 +276,31 @@ class Conversation:
         text = self.fmt.decode(ids[:-1] if closed else ids)
         turn = AssistantTurn(
             index=len(self.turns), ids=ids, logprobs=logprobs, finish_reason=finish_reason, text=text, closed=closed,
-            tool_calls=[_openai_tool_call(c, len(self.turns), i) for i, c in enumerate(tool_calls or [])] or None,
-            content=content, sample=len(self.samples_) - 1, message_index=len(self.template_messages),
+            sample=len(self.samples_) - 1, message_index=len(self.template_messages),
         )
         seg_text = text + self.fmt.end_of_turn if closed else text
         self.current._extend(Seg.SAMPLED, turn.index, ids, seg_text, logprobs)
         self.turns.append(turn)
         self.template_messages.append({"role": "assistant", "content": text})
-        msg: dict[str, Any] = {"role": "assistant", "content": text if content is None else content}
-        if turn.tool_calls:
-            msg["tool_calls"] = turn.tool_calls
-        self.openai_messages.append(msg)
+        self.openai_messages.append({})
+        self.set_parsed(tool_calls, content)
         self._awaiting = "observation"
         if over_budget or self.max_new_tokens == 0:
             self._truncate("response budget reached")
         return turn
+
+    def set_parsed(self, tool_calls: Sequence[Mapping[str, Any]] | None, content: str | None = None) -> None:
+        """Attach the parsed view (tool calls, display content) of the latest assistant turn to `messages`.
+        The ids are not affected: this is what a parser read from them."""
+        if not self.turns:
+            raise ConversationError("no assistant turn to attach tool calls to")
+        turn = self.turns[-1]
+        turn.tool_calls = [_openai_tool_call(c, turn.index, i) for i, c in enumerate(tool_calls or [])] or None
+        turn.content = content
+        msg: dict[str, Any] = {"role": "assistant", "content": turn.text if content is None else content}
+        if turn.tool_calls:
+            msg["tool_calls"] = turn.tool_calls
+        self.openai_messages[turn.message_index] = msg
 
     def add_observation(self, messages: Sequence[Mapping[str, Any]]) -> bool:
         """Append tool responses / user messages as the template delta (mask 0), ending with the next generation

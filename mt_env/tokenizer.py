@@ -171,3 +171,42 @@ def load_tokenizer(name_or_path: str):
     if not getattr(tokenizer, "chat_template", None):
         raise TokenizerError(f"tokenizer {name_or_path!r} has no chat template; mt_env needs one to render prompts")
     return tokenizer
+
+
+def train_bpe_tokenizer(texts: list[str], vocab_size: int = 1000, name: str = "task"):
+    """A small byte-level BPE tokenizer trained on `texts`, in the Qwen2.5 chat format (its control tokens and
+    chat template), cached on disk by the hash of the corpus.
+
+    For tiny models trained from scratch (the quickstart): a 150k vocabulary would dominate their size and compute.
+    Digits are split one by one (as in Qwen2), and merges may cross spaces, so the constant template text of a task
+    compresses to few tokens. Any text still encodes (byte fallback through byte-level BPE).
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    key = hashlib.sha256(("\x00".join(texts) + f"|{vocab_size}|{_BUILD_VERSION}").encode()).hexdigest()[:16]
+    path = cache_dir() / "tokenizers" / f"bpe-{name}-{key}.json"
+    if path.is_file():
+        backend = Tokenizer.from_file(str(path))
+    else:
+        backend = Tokenizer(models.BPE())
+        backend.normalizer = normalizers.NFC()
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+        backend.decoder = decoders.ByteLevel()
+        specials = [t for t, special in QWEN25_ADDED_TOKENS if special][:3]  # endoftext, im_start, im_end
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        backend.train_from_iterator(texts, trainer)
+        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        backend.save(str(tmp))
+        os.replace(tmp, path)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        clean_up_tokenization_spaces=False, split_special_tokens=False)
+    tokenizer.chat_template = chat_template("qwen2_5.jinja")
+    tokenizer.name_or_path = f"mt_env-bpe/{name}-{vocab_size}"
+    return tokenizer
