@@ -23,3 +23,20 @@ class BudgetError(ConversationError):
 
 class DriftError(ConversationError):
     """The token ids no longer match what the chat template renders for the conversation's messages."""
+
+
+class ToolError(MtEnvError):
+    """A tool call failed in a way the model should hear about. Raise it (or a subclass) from `BaseTool.execute`
+    with a message written for the model: the runner shows it as ``Error: <message>``."""
+
+
+class TransientToolError(ToolError):
+    """A failure worth retrying (a dropped connection, a busy server); retried up to the tool's `retries` setting."""
+
+
+class ToolConfigError(MtEnvError):
+    """A tool configuration (YAML or dict), a tool schema, or a dataset row's tool selection that cannot be used."""
+
+
+class CalculatorError(ToolError):
+    """An expression the calculator refuses: bad syntax, division by zero, a number too large, ..."""
