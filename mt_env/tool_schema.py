@@ -81,8 +81,12 @@ def argument_error(validator: Draft202012Validator, arguments: Any) -> str | Non
     error = best_match(itertools.islice(validator.iter_errors(arguments), 20))
     if error is None:
         return None
+    message = error.message
+    value = repr(error.instance)
+    if len(value) > 80:  # the message quotes the offending value: keep its start and the reason after it
+        message = message.replace(value, shorten(value, 60))
     where = "/".join(map(str, error.absolute_path))
-    return shorten(f"{where}: {error.message}" if where else error.message)
+    return shorten(f"{where}: {message}" if where else message)
 
 
 def _json_type(value: Any) -> str:
