@@ -14,7 +14,8 @@ from mt_env.tools import BaseTool, ToolBox, ToolResponse
 
 def schema(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
     parameters = {"type": "object", "properties": properties or {}, "required": required or []}
-    return {"type": "function", "function": {"name": name, "description": f"The {name} tool.", "parameters": parameters}}
+    function = {"name": name, "description": f"The {name} tool.", "parameters": parameters}
+    return {"type": "function", "function": function}
 
 
 ECHO_SCHEMA = schema("echo", {"text": {"type": "string"}, "delay": {"type": "number"}}, ["text"])
