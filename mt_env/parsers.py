@@ -94,20 +94,21 @@ class ToolCallParser:
             return ParseError("malformed_json", 'a tool call must be a JSON object with a string "name" and an '
                                                 '"arguments" object', raw)
         name = obj["name"]
+        shown = shorten(name, 80)  # for messages: without schemas a name may be any length
         arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
         validator = None
         if self.validators is not None:
             validator = self.validators.get(name)
             if validator is None:
                 known = ", ".join(self.validators) or "none"
-                return ParseError("unknown_tool", f"unknown tool {shorten(name, 80)!r}; available tools: {known}",
+                return ParseError("unknown_tool", f"unknown tool {shown!r}; available tools: {known}",
                                   raw, name)
         if not isinstance(arguments, dict):
-            return ParseError("invalid_arguments", f"the arguments of {name!r} must be a JSON object", raw, name)
+            return ParseError("invalid_arguments", f"the arguments of {shown!r} must be a JSON object", raw, name)
         if validator is not None:
             problem = argument_error(validator, arguments)
             if problem:
-                return ParseError("invalid_arguments", f"invalid arguments for {name!r}: {problem}", raw, name)
+                return ParseError("invalid_arguments", f"invalid arguments for {shown!r}: {problem}", raw, name)
         return ToolCall(name, arguments, None, raw)
 
 
@@ -120,8 +121,8 @@ class HermesParser(ToolCallParser):
     turn, several per turn. Text around them is the content. Calls inside ``<think>...</think>`` are reasoning and
     are ignored (so is everything before a lone ``</think>``, whose ``<think>`` the template wrote).
 
-    The format cannot quote its own tags: an argument string containing ``</tool_call>`` (or a turn whose
-    reasoning does) is read the way the tags say, like every Hermes parser does."""
+    The format cannot quote its own tags: an argument string containing ``</tool_call>`` ends the call there, as
+    in every Hermes parser."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
