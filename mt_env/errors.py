@@ -26,8 +26,9 @@ class DriftError(ConversationError):
 
 
 class ToolError(MtEnvError):
-    """A tool call failed in a way the model should hear about. Raise it (or a subclass) from `BaseTool.execute`
-    with a message written for the model: the runner shows it as ``Error: <message>``."""
+    """A tool failed. Raised from `BaseTool.execute` with a message written for the model, it becomes the
+    observation ``Error: <message>``; `ToolBox` raises it when an episode's tools cannot be created, or are called
+    before `create_all`."""
 
 
 class TransientToolError(ToolError):
