@@ -23,3 +23,21 @@ class BudgetError(ConversationError):
 
 class DriftError(ConversationError):
     """The token ids no longer match what the chat template renders for the conversation's messages."""
+
+
+class ToolError(MtEnvError):
+    """A tool failed. Raised from `BaseTool.execute` with a message written for the model, it becomes the
+    observation ``Error: <message>``; `ToolBox` raises it when an episode's tools cannot be created, or are called
+    before `create_all`."""
+
+
+class TransientToolError(ToolError):
+    """A failure worth retrying (a dropped connection, a busy server); retried up to the tool's `retries` setting."""
+
+
+class ToolConfigError(MtEnvError):
+    """A tool configuration (YAML or dict), a tool schema, or a dataset row's tool selection that cannot be used."""
+
+
+class CalculatorError(ToolError):
+    """An expression the calculator refuses: bad syntax, division by zero, a number too large, ..."""

@@ -1,0 +1,318 @@
+"""Tool calls out of an assistant turn's text: native parsers for the Hermes/Qwen and Llama-3.1 JSON formats, and an
+optional wrapper around SGLang's parsers for the other formats.
+
+A parser never raises on model text. Whatever the model wrote becomes a `ParsedTurn`: the text outside tool calls
+(`content`), the calls that parsed (`calls`) and one `ParseError` per call that did not (`errors`), each with a
+``kind`` the runner turns into an observation the model can read:
+
+==================  ===========================================================================================
+``malformed_json``  the call is not JSON, or not an object with a string ``"name"``
+``truncated``       the call was cut off (a ``<tool_call>`` never closed: the turn hit its token limit)
+``unknown_tool``    the name is not one of the episode's tools (only checked when the parser is given schemas)
+``invalid_arguments`` the arguments are not a JSON object, or fail the tool's JSON schema (idem)
+``too_large``       the call's text is longer than ``max_call_chars`` and was not parsed
+==================  ===========================================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tool_schema import argument_error, shorten, validators_by_name
+
+PARSE_ERROR_KINDS = ("malformed_json", "truncated", "unknown_tool", "invalid_arguments", "too_large")
+
+#: Default cap on the characters of one call (Hermes) or of the whole turn (Llama JSON) handed to the JSON decoder.
+MAX_CALL_CHARS = 65_536
+
+
+@dataclass
+class ToolCall:
+    """One parsed call. `id` is None for formats without call ids (the runner numbers calls itself)."""
+
+    name: str
+    arguments: dict[str, Any]
+    id: str | None = None
+    raw: str = ""  #: the exact text of the call in the turn
+
+    def to_openai(self) -> dict[str, Any]:
+        """The OpenAI ``tool_calls`` entry (arguments as JSON text)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+
+
+@dataclass
+class ParseError:
+    """A call the model attempted that cannot be run. `name` is the tool name when it could be read."""
+
+    kind: str
+    message: str
+    raw: str = ""
+    name: str | None = None
+
+
+@dataclass
+class ParsedTurn:
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[ParseError] = field(default_factory=list)
+
+
+class ToolCallParser:
+    """Base of the parsers: `parse(text) -> ParsedTurn`.
+
+    Args:
+        tools: the episode's OpenAI tool schemas. When given, calls to other names become ``unknown_tool`` and
+            arguments are validated against the tool's JSON schema; when None, any name and object is accepted.
+        max_call_chars: calls longer than this are reported as ``too_large`` without being decoded.
+    """
+
+    def __init__(self, tools: Sequence[Mapping[str, Any]] | None = None, max_call_chars: int = MAX_CALL_CHARS):
+        self.validators = validators_by_name(tools) if tools is not None else None
+        self.max_call_chars = max_call_chars
+
+    def parse(self, text: str) -> ParsedTurn:
+        raise NotImplementedError
+
+    def _decode_call(self, body: str, raw: str) -> ToolCall | ParseError:
+        """One call's JSON text -> a checked call, or the reason it is not one."""
+        if len(body) > self.max_call_chars:
+            return ParseError("too_large", f"the tool call is {len(body)} characters, over the limit of "
+                                           f"{self.max_call_chars}", raw)
+        try:
+            obj = json.loads(body, strict=False, parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
+            return ParseError("malformed_json", f"the tool call is not valid JSON: {shorten(str(e))}", raw)
+        return self._check_call(obj, raw)
+
+    def _check_call(self, obj: Any, raw: str) -> ToolCall | ParseError:
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            return ParseError("malformed_json", 'a tool call must be a JSON object with a string "name" and an '
+                                                '"arguments" object', raw)
+        name = obj["name"]
+        shown = shorten(name, 80)  # for messages: without schemas a name may be any length
+        arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+        validator = None
+        if self.validators is not None:
+            validator = self.validators.get(name)
+            if validator is None:
+                known = ", ".join(self.validators) or "none"
+                return ParseError("unknown_tool", f"unknown tool {shown!r}; available tools: {known}",
+                                  raw, name)
+        if not isinstance(arguments, dict):
+            return ParseError("invalid_arguments", f"the arguments of {shown!r} must be a JSON object", raw, name)
+        if validator is not None:
+            problem = argument_error(validator, arguments)
+            if problem:
+                return ParseError("invalid_arguments", f"invalid arguments for {shown!r}: {problem}", raw, name)
+        return ToolCall(name, arguments, None, raw)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class HermesParser(ToolCallParser):
+    """Hermes / Qwen2.5 / Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the
+    turn, several per turn. Text around them is the content. Calls inside ``<think>...</think>`` are reasoning and
+    are ignored (so is everything before a lone ``</think>``, whose ``<think>`` the template wrote).
+
+    The format cannot quote its own tags: an argument string containing ``</tool_call>`` ends the call there, as
+    in every Hermes parser."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+    def parse(self, text: str) -> ParsedTurn:
+        content: list[str] = []
+        calls: list[ToolCall] = []
+        errors: list[ParseError] = []
+        pos = 0  # start of the text not yet assigned to content or to a call
+        scan = self._after_leading_reasoning(text)  # where to look for the next call or think block
+        next_call = next_think = -2  # cached positions of the next tags (-1: none left, -2: not looked up)
+        while True:
+            if next_call != -1 and next_call < scan:
+                next_call = text.find(self.OPEN, scan)
+            if next_think != -1 and next_think < scan:
+                next_think = text.find(self.THINK_OPEN, scan)
+            if next_think >= 0 and (next_call < 0 or next_think < next_call):  # skip the think block
+                close = text.find(self.THINK_CLOSE, next_think)
+                if close >= 0:
+                    scan = close + len(self.THINK_CLOSE)
+                    continue
+                next_call = -1  # reasoning cut off: nothing after it is a call
+            start = next_call
+            if start < 0:
+                content.append(text[pos:])
+                break
+            content.append(text[pos:start])
+            body_start = start + len(self.OPEN)
+            reopened = text.find(self.OPEN, body_start)
+            end = text.find(self.CLOSE, body_start, reopened if reopened >= 0 else len(text))
+            if end < 0 and reopened < 0:
+                errors.append(ParseError("truncated", "the tool call was cut off before </tool_call> (the turn "
+                                                      "probably hit its token limit)", text[start:]))
+                pos = len(text)
+                break
+            if end < 0:
+                errors.append(ParseError("malformed_json", "a <tool_call> was opened before the previous one was "
+                                                           "closed with </tool_call>", text[start:reopened]))
+                pos = scan = reopened
+                continue
+            raw = text[start:end + len(self.CLOSE)]
+            result = self._decode_call(text[body_start:end].strip(), raw)
+            (calls if isinstance(result, ToolCall) else errors).append(result)
+            pos = scan = end + len(self.CLOSE)
+        return ParsedTurn("".join(content).strip(), calls, errors)
+
+    def _after_leading_reasoning(self, text: str) -> int:
+        """Where the answer starts when the turn begins inside reasoning (a ``</think>`` with no ``<think>`` before
+        it: the template wrote the ``<think>``); 0 otherwise."""
+        close = text.find(self.THINK_CLOSE)
+        if close < 0 or 0 <= text.find(self.THINK_OPEN, 0, close):
+            return 0
+        return close + len(self.THINK_CLOSE)
+
+    @classmethod
+    def format_turn(cls, calls: Sequence[ToolCall | Mapping[str, Any]], content: str = "") -> str:
+        """The assistant text the Qwen2.5 template renders for `content` and `calls` (after the generation prompt):
+        for writing demonstrations and scripted policies."""
+        blocks = [f"{cls.OPEN}\n{_call_json(c, 'arguments')}\n{cls.CLOSE}" for c in calls]
+        return "\n".join(([content] if content else []) + blocks)
+
+
+class Llama3JsonParser(ToolCallParser):
+    """Llama-3.1 JSON tool calls: the whole turn is ``{"name": ..., "parameters": {...}}`` (``"arguments"`` is
+    accepted too), optionally after ``<|python_tag|>``, several calls separated by ``;``. A turn that does not start
+    like a call is plain content. `max_call_chars` caps the whole turn here."""
+
+    PYTHON_TAG = "<|python_tag|>"
+    _CALL_START = re.compile(r'\{\s*"(?:name|type)"\s*:')
+
+    def parse(self, text: str) -> ParsedTurn:
+        body = text.strip()
+        tagged = body.startswith(self.PYTHON_TAG)
+        if tagged:
+            body = body[len(self.PYTHON_TAG):].lstrip()
+        elif not self._CALL_START.match(body):
+            return ParsedTurn(body)
+        if len(body) > self.max_call_chars:
+            return ParsedTurn("", [], [ParseError("too_large", f"the tool calls are {len(body)} characters, over "
+                                                               f"the limit of {self.max_call_chars}", body)])
+        decoder = json.JSONDecoder(strict=False, parse_constant=_reject_constant)
+        calls: list[ToolCall] = []
+        errors: list[ParseError] = []
+        pos = 0
+        while pos < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, pos)
+            except (ValueError, RecursionError) as e:
+                cut = isinstance(e, json.JSONDecodeError) and (e.pos >= len(body) or e.msg.startswith("Unterminated"))
+                kind, why = ("truncated", "was cut off") if cut else ("malformed_json", "is not valid JSON")
+                errors.append(ParseError(kind, f"the tool call {why}: {shorten(str(e))}", body[pos:]))
+                break
+            result = self._check_call(obj, body[pos:end])
+            (calls if isinstance(result, ToolCall) else errors).append(result)
+            pos = _skip_space(body, end)
+            if pos < len(body) and body[pos] == ";":
+                pos = _skip_space(body, pos + 1)
+            elif pos < len(body):
+                errors.append(ParseError("malformed_json", "unexpected text after a tool call (separate calls with "
+                                                           f"';'): {shorten(body[pos:], 80)!r}", body[pos:]))
+                break
+        return ParsedTurn("", calls, errors)
+
+    @classmethod
+    def format_turn(cls, calls: Sequence[ToolCall | Mapping[str, Any]], content: str = "") -> str:
+        """The assistant text for `calls` in Llama-3.1 JSON format (this format has no room for `content`)."""
+        if content:
+            raise ValueError("the Llama-3.1 JSON format cannot carry content next to tool calls")
+        return "; ".join(_call_json(c, "parameters") for c in calls)
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _call_json(call: ToolCall | Mapping[str, Any], arguments_key: str) -> str:
+    name, arguments = (call.name, call.arguments) if isinstance(call, ToolCall) else (call["name"], call["arguments"])
+    return json.dumps({"name": name, arguments_key: arguments}, ensure_ascii=False)
+
+
+class SGLangParser(ToolCallParser):
+    """Any format SGLang knows (``"mistral"``, ``"deepseekv3"``, ``"pythonic"``, ...), through its
+    ``FunctionCallParser``. Needs the episode's tool schemas (SGLang drops calls to tools it was not given) and the
+    sglang package: ``pip install "mt-env[sglang]"``, or ``pip install --no-deps sglang`` for the parsers alone."""
+
+    def __init__(self, fmt: str, tools: Sequence[Mapping[str, Any]] | None = None,
+                 max_call_chars: int = MAX_CALL_CHARS):
+        super().__init__(tools, max_call_chars)
+        try:
+            from sglang.srt.function_call.function_call_parser import FunctionCallParser
+            try:
+                from sglang.srt.entrypoints.openai.protocol import Function, Tool
+            except ImportError:  # sglang < 0.4.7
+                from sglang.srt.openai_api.protocol import Function, Tool
+        except ImportError as e:
+            raise ImportError(
+                f"the 'sglang:{fmt}' parser needs sglang ({e}): pip install \"mt-env[sglang]\", or "
+                "pip install --no-deps sglang for its parsers alone"
+            ) from e
+        sglang_tools = [
+            Tool(type="function", function=Function(name=t["function"]["name"],
+                                                    description=t["function"].get("description", ""),
+                                                    parameters=t["function"].get("parameters")))
+            for t in tools or []
+        ]
+        self.format = fmt
+        self._parser = FunctionCallParser(tools=sglang_tools, tool_call_parser=fmt)
+
+    def parse(self, text: str) -> ParsedTurn:
+        if len(text) > self.max_call_chars:
+            return ParsedTurn("", [], [ParseError("too_large", f"the turn is {len(text)} characters, over the "
+                                                               f"limit of {self.max_call_chars}", text)])
+        try:
+            content, items = self._parser.parse_non_stream(text)
+        except Exception as e:  # sglang's detectors raise on some malformed input
+            return ParsedTurn(text.strip(), [], [ParseError("malformed_json", f"sglang could not parse the tool "
+                                                                              f"calls: {shorten(str(e))}", text)])
+        calls: list[ToolCall] = []
+        errors: list[ParseError] = []
+        for item in items:
+            try:
+                arguments = json.loads(item.parameters or "{}", parse_constant=_reject_constant)
+            except (ValueError, RecursionError) as e:
+                errors.append(ParseError("malformed_json", f"the arguments are not valid JSON: {shorten(str(e))}",
+                                         item.parameters or "", item.name))
+                continue
+            result = self._check_call({"name": item.name, "arguments": arguments}, item.parameters or "")
+            if isinstance(result, ToolCall):
+                result.id = getattr(item, "tool_call_id", None)
+                calls.append(result)
+            else:
+                errors.append(result)
+        return ParsedTurn(content.strip(), calls, errors)
+
+
+#: Parser names for `get_parser`; add a format by adding a class here.
+PARSERS: dict[str, type[ToolCallParser]] = {
+    "hermes": HermesParser,
+    "qwen2.5": HermesParser,
+    "qwen3": HermesParser,
+    "llama3_json": Llama3JsonParser,
+}
+
+
+def get_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> ToolCallParser:
+    """The parser called `name` (a key of `PARSERS`, or ``"sglang:<format>"``), checking calls against `tools`."""
+    if name.startswith("sglang:"):
+        return SGLangParser(name.split(":", 1)[1], tools, **kwargs)
+    if name not in PARSERS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {sorted(PARSERS)} or 'sglang:<format>'")
+    return PARSERS[name](tools, **kwargs)

@@ -1,0 +1,94 @@
+"""OpenAI function-tool schemas: checking a schema once, then validating call arguments against it with jsonschema.
+
+Shared by the tools (which check their own schema at construction) and the parsers (which validate parsed calls
+against the episode's schemas), so that both say the same thing about the same arguments.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError, best_match
+
+from .errors import ToolConfigError
+
+#: Longest error message shown to the model: jsonschema repeats the offending value, which may be huge.
+MAX_ERROR_CHARS = 300
+
+
+def shorten(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """`text` cut to `limit` characters with an ellipsis, for error messages quoting model output."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_tool_schema(tool_schema: Any, owner: str = "tool") -> dict:
+    """A deep copy of `tool_schema` after checking it is ``{"type": "function", "function": {"name", "parameters"}}``
+    with a valid JSON schema as ``parameters``; `ToolConfigError` naming `owner` otherwise."""
+    if not isinstance(tool_schema, Mapping):
+        raise ToolConfigError(f"{owner}: tool_schema must be a mapping, got {type(tool_schema).__name__}")
+    if tool_schema.get("type") != "function":
+        raise ToolConfigError(f"{owner}: tool_schema.type must be 'function', got {tool_schema.get('type')!r}")
+    function = tool_schema.get("function")
+    if not isinstance(function, Mapping):
+        raise ToolConfigError(f"{owner}: tool_schema.function must be a mapping with name/description/parameters")
+    name = function.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ToolConfigError(f"{owner}: tool_schema.function.name must be a non-empty string, got {name!r}")
+    description = function.get("description", "")
+    if not isinstance(description, str):
+        raise ToolConfigError(f"{owner} ({name!r}): tool_schema.function.description must be a string")
+    parameters = function.get("parameters")
+    if not isinstance(parameters, Mapping):
+        raise ToolConfigError(
+            f"{owner} ({name!r}): tool_schema.function.parameters must be a JSON schema object, "
+            f"e.g. {{'type': 'object', 'properties': {{}}}}; got {type(parameters).__name__}"
+        )
+    try:
+        Draft202012Validator.check_schema(parameters)
+    except SchemaError as e:
+        where = "/".join(map(str, e.path)) or "(root)"
+        raise ToolConfigError(f"tool {name!r}: parameters is not a valid JSON schema at {where}: {e.message}") from None
+    return copy.deepcopy(dict(tool_schema))
+
+
+def schema_name(tool_schema: Mapping[str, Any]) -> str:
+    return tool_schema["function"]["name"]
+
+
+def arguments_validator(tool_schema: Mapping[str, Any]) -> Draft202012Validator:
+    """A validator for the arguments of calls to the (already checked) `tool_schema`."""
+    return Draft202012Validator(tool_schema["function"]["parameters"])
+
+
+def validators_by_name(tool_schemas: Sequence[Mapping[str, Any]]) -> dict[str, Draft202012Validator]:
+    """Checked schemas' validators keyed by tool name, for parsers given the episode's schemas."""
+    out = {}
+    for i, schema in enumerate(tool_schemas):
+        schema = check_tool_schema(schema, owner=f"tools[{i}]")
+        out[schema_name(schema)] = arguments_validator(schema)
+    return out
+
+
+def argument_error(validator: Draft202012Validator, arguments: Any) -> str | None:
+    """Why `arguments` do not fit the schema (a short message for the model), or None when they do."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {_json_type(arguments)}"
+    # The first few errors are enough to explain; a huge array of bad items must not cost one error per item.
+    error = best_match(itertools.islice(validator.iter_errors(arguments), 20))
+    if error is None:
+        return None
+    message = error.message
+    value = repr(error.instance)
+    if len(value) > 80:  # the message quotes the offending value: keep its start and the reason after it
+        message = message.replace(value, shorten(value, 60))
+    where = "/".join(map(str, error.absolute_path))
+    return shorten(f"{where}: {message}" if where else message)
+
+
+def _json_type(value: Any) -> str:
+    names = {str: "a string", bool: "a boolean", int: "a number", float: "a number", list: "an array"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)

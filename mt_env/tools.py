@@ -1,0 +1,501 @@
+"""Tools, and the runner that calls them for one episode.
+
+A tool is a `BaseTool` subclass shaped like verl's ``BaseTool``: one object serves every episode, and each episode
+gets its own *instance* of it: ``create`` (returns the instance id), ``execute`` (any number of calls),
+``calc_reward`` and finally ``release``. All four are coroutines.
+
+A `ToolBox` holds the tools of one episode and is the only thing that calls them. It validates arguments against
+the tool's JSON schema, enforces each tool's timeout, concurrency limit and retries, cuts over-long output, and
+turns every failure into a `ToolResult` whose text the model reads as the observation (``"Error: ..."``), so that
+a bad call or a broken tool never raises out of the runner and never hangs an episode::
+
+    async with ToolBox(tools) as box:          # releases every instance on exit, even when cancelled
+        await box.create_all(tools_kwargs)
+        results = await box.execute_many(parsed.calls + parsed.errors)
+        rewards = await box.calc_rewards()
+
+Per-tool settings, read from the tool's ``config`` (the YAML ``config:`` block):
+
+======================  =======  ============================================================================
+``timeout``             30       seconds for one ``execute`` (and for ``create``/``calc_reward``/``release``)
+``max_concurrency``     64       ``execute`` calls of this tool running at once, across all episodes
+``retries``             0        extra attempts after a `TransientToolError` or one of ``transient_errors``
+``max_response_chars``  20000    longer output is cut with a marker (the token budget cuts again later)
+``on_error``            continue ``"end_episode"`` asks the environment to end the episode when a call fails
+======================  =======  ============================================================================
+
+Tools must not block the event loop: run blocking work with ``await asyncio.to_thread(...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import numbers
+import time
+import uuid
+import weakref
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from .errors import ToolConfigError, ToolError, TransientToolError
+from .parsers import ParseError, ToolCall
+from .tool_schema import argument_error, arguments_validator, check_tool_schema, shorten
+
+__all__ = [
+    "BaseTool", "ToolBox", "ToolResponse", "ToolResult", "ToolSettings", "ToolError", "TransientToolError",
+    "ERROR_KINDS", "KWARGS_KEYS", "normalize_tools_kwargs",
+]
+
+logger = logging.getLogger(__name__)
+
+ERROR_KINDS = ("unknown_tool", "invalid_arguments", "exception", "timeout", "bad_response", "parse")
+#: The keys of one tool's entry in ``tools_kwargs`` (verl's names), one per lifecycle method.
+KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
+# How long a timed-out call may take to react to cancellation before it is abandoned (it may ignore it).
+_CANCEL_GRACE_S = 0.1
+
+
+@dataclass(frozen=True)
+class ToolSettings:
+    """A tool's runtime limits, read from its config (see the module docstring)."""
+
+    timeout: float = 30.0
+    max_concurrency: int = 64
+    retries: int = 0
+    max_response_chars: int = 20_000
+    on_error: str = "continue"
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], tool: str) -> ToolSettings:
+        settings = cls(**{f.name: config[f.name] for f in fields(cls) if f.name in config})
+        checks = [
+            ("timeout", _is_number(settings.timeout) and 0 < settings.timeout < math.inf, "a positive number"),
+            ("max_concurrency", _is_int(settings.max_concurrency) and settings.max_concurrency >= 1, "an int >= 1"),
+            ("retries", _is_int(settings.retries) and settings.retries >= 0, "an int >= 0"),
+            ("max_response_chars", _is_int(settings.max_response_chars) and settings.max_response_chars >= 1,
+             "an int >= 1"),
+            ("on_error", settings.on_error in ("continue", "end_episode"), "'continue' or 'end_episode'"),
+        ]
+        for key, ok, expected in checks:
+            if not ok:
+                raise ToolConfigError(f"tool {tool!r}: config.{key} must be {expected}, got {getattr(settings, key)!r}")
+        return settings
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass
+class ToolResponse:
+    """What `BaseTool.execute` returns when there is more than text. Images are carried along, not rendered yet."""
+
+    text: str
+    images: list | None = None
+
+
+class BaseTool:
+    """Base class of tools (see the module docstring for the lifecycle and settings).
+
+    Args:
+        config: per-tool settings plus anything the subclass reads (the YAML ``config:`` block).
+        tool_schema: the OpenAI function-tool schema the model is shown; ``parameters`` must be a valid JSON
+            schema, and the arguments of every call are validated against it before `execute` sees them.
+
+    Subclasses override `execute` (and `create`/`calc_reward`/`release` when they keep per-episode state). To
+    report a failure the model should read, raise `ToolError` with a message written for the model; raise
+    `TransientToolError` (or list exception types in `transient_errors`) for failures worth retrying.
+    """
+
+    #: Exception types that are retried up to ``config["retries"]`` times (besides `TransientToolError`).
+    transient_errors: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, config: Mapping[str, Any] | None, tool_schema: Mapping[str, Any]):
+        self.tool_schema = check_tool_schema(tool_schema, owner=type(self).__name__)
+        self.config = dict(config or {})
+        self.settings = ToolSettings.from_config(self.config, self.name)
+        self.validator = arguments_validator(self.tool_schema)
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @property
+    def name(self) -> str:
+        return self.tool_schema["function"]["name"]
+
+    def get_openai_tool_schema(self) -> dict:
+        """The schema shown to the model (verl's name for it)."""
+        return self.tool_schema
+
+    async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> str:
+        """Start this tool's state for one episode; returns the instance id."""
+        return instance_id or str(uuid.uuid4())
+
+    async def execute(self, instance_id: str, arguments: dict, **execute_kwargs: Any
+                      ) -> tuple[ToolResponse | str, float, dict]:
+        """Run one call with validated `arguments`; returns (response, step reward, metrics)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement execute()")
+
+    async def calc_reward(self, instance_id: str, **calc_reward_kwargs: Any) -> float:
+        """The reward of the instance's final state (0 unless overridden)."""
+        return 0.0
+
+    async def release(self, instance_id: str, **release_kwargs: Any) -> None:
+        """Free the instance's state; called exactly once per created instance."""
+
+    def _concurrency_slot(self) -> asyncio.Semaphore:
+        """The semaphore limiting this tool's running calls in the current event loop (one per loop: semaphores
+        bind to the loop that first waits on them)."""
+        loop = asyncio.get_running_loop()
+        slot = self._semaphores.get(loop)
+        if slot is None:
+            slot = self._semaphores[loop] = asyncio.Semaphore(self.settings.max_concurrency)
+        return slot
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+@dataclass
+class ToolResult:
+    """The outcome of one call, success or failure. `text` is what the model reads; on failure it is
+    ``"Error: " + error``, `error_kind` is one of `ERROR_KINDS`, and `end_episode` reflects the tool's ``on_error``."""
+
+    name: str
+    call_id: str
+    text: str
+    reward: float = 0.0
+    metrics: dict = field(default_factory=dict)
+    error: str | None = None
+    error_kind: str | None = None
+    duration_s: float = 0.0
+    attempts: int = 0  #: executions started (0 when the call was refused before running)
+    images: list | None = None
+    cut_chars: int = 0  #: characters removed by ``max_response_chars``
+    end_episode: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def to_message(self) -> dict[str, Any]:
+        """The observation message for the conversation (OpenAI ``tool`` role)."""
+        return {"role": "tool", "content": self.text, "tool_call_id": self.call_id, "name": self.name}
+
+
+def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequence[str], where: str = "tools_kwargs"
+                           ) -> dict[str, dict[str, dict]]:
+    """``{tool: {create_kwargs, execute_kwargs, calc_reward_kwargs, release_kwargs}}`` with every key present,
+    after checking that each tool is in `known` and each key is one of `KWARGS_KEYS`."""
+    if tools_kwargs is None:
+        return {}
+    if not isinstance(tools_kwargs, Mapping):
+        raise ToolConfigError(f"{where} must map tool names to their kwargs, got {type(tools_kwargs).__name__}")
+    unknown = [name for name in tools_kwargs if name not in known]
+    if unknown:
+        raise ToolConfigError(f"{where} names unknown tool(s) {unknown}; configured tools: {list(known)}")
+    out = {}
+    for name, per_tool in tools_kwargs.items():
+        per_tool = per_tool or {}
+        if not isinstance(per_tool, Mapping):
+            raise ToolConfigError(f"{where}[{name!r}] must be a mapping with keys {KWARGS_KEYS}")
+        bad = [key for key in per_tool if key not in KWARGS_KEYS]
+        if bad:
+            raise ToolConfigError(f"{where}[{name!r}] has unknown key(s) {bad}; expected some of {KWARGS_KEYS}")
+        for key in KWARGS_KEYS:
+            if not isinstance(per_tool.get(key) or {}, Mapping):
+                raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
+        out[name] = {key: dict(per_tool.get(key) or {}) for key in KWARGS_KEYS}
+    return out
+
+
+class ToolBox:
+    """The tools of one episode: creates their instances, runs calls, collects rewards, releases everything.
+
+    Every call goes through `execute`, which never raises for a bad call or a failing tool: the failure is a
+    `ToolResult` with ``error_kind`` set. `counts` tallies calls, errors by kind, retries, cut responses, and
+    created/released instances (equal once `release_all` has run).
+    """
+
+    def __init__(self, tools: Sequence[BaseTool]):
+        self.tools: dict[str, BaseTool] = {}
+        for tool in tools:
+            if not isinstance(tool, BaseTool):
+                raise ToolConfigError(f"a ToolBox holds BaseTool instances, got {type(tool).__name__}")
+            if tool.name in self.tools:
+                raise ToolConfigError(f"two tools are named {tool.name!r}")
+            self.tools[tool.name] = tool
+        self.instances: dict[str, str] = {}  #: tool name -> instance id, while created
+        self.kwargs: dict[str, dict[str, dict]] = {}
+        self.counts: Counter = Counter()
+        self._next_call = 0
+
+    @property
+    def schemas(self) -> list[dict]:
+        """The tool schemas, in order: what the prompt must render for this episode."""
+        return [tool.tool_schema for tool in self.tools.values()]
+
+    async def __aenter__(self) -> ToolBox:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.release_all()
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    async def create_all(self, tools_kwargs: Mapping[str, Any] | None = None) -> None:
+        """Create one instance of every tool (concurrently), with its ``create_kwargs``. If any fails, the others
+        are released and `ToolError` is raised: an episode cannot start without its tools."""
+        if self.instances:
+            raise ToolError("create_all() was already called: release_all() first (one ToolBox per episode)")
+        self.kwargs = normalize_tools_kwargs(tools_kwargs, list(self.tools))
+
+        async def create(tool: BaseTool) -> None:
+            created = await _with_timeout(tool.create(None, **self._kwargs(tool.name, "create_kwargs")),
+                                          tool.settings.timeout)
+            if isinstance(created, tuple) and created:  # verl >= 0.5 returns (instance_id, ToolResponse)
+                created = created[0]
+            if not isinstance(created, str):
+                raise TypeError(f"create() must return the instance id (a str), got {type(created).__name__}")
+            self.instances[tool.name] = created
+            self.counts["created"] += 1
+
+        outcomes = await asyncio.gather(*(create(t) for t in self.tools.values()), return_exceptions=True)
+        failures = [(name, e) for name, e in zip(self.tools, outcomes) if isinstance(e, BaseException)]
+        if failures:
+            await self.release_all()
+            name, error = failures[0]
+            if isinstance(error, asyncio.CancelledError):
+                raise error
+            why = f"timed out after {self.tools[name].settings.timeout}s" if isinstance(error, _Timeout) else (
+                f"{type(error).__name__}: {error}")
+            raise ToolError(f"tool {name!r} could not create its instance for this episode: {why}") from error
+
+    async def calc_rewards(self) -> dict[str, float]:
+        """Each created tool's `calc_reward` (0.0, logged and counted, when it fails or returns a non-number)."""
+
+        async def reward(name: str, instance_id: str) -> float:
+            tool = self.tools[name]
+            try:
+                value = await _with_timeout(
+                    tool.calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")), tool.settings.timeout)
+                if not _is_number(value) or not math.isfinite(value):
+                    raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
+                return float(value)
+            except Exception as e:
+                self.counts["calc_reward_errors"] += 1
+                logger.warning("tool %r: calc_reward failed (%s: %s); using 0.0", name, type(e).__name__, e)
+                return 0.0
+
+        names = [name for name in self.tools if name in self.instances]
+        values = await asyncio.gather(*(reward(name, self.instances[name]) for name in names))
+        return dict(zip(names, values))
+
+    async def release_all(self) -> None:
+        """Release every created instance once (idempotent). Failures are logged and counted, never raised; the
+        releases finish even if the caller is cancelled meanwhile."""
+        pending, self.instances = self.instances, {}
+
+        async def release(name: str, instance_id: str) -> None:
+            tool = self.tools[name]
+            try:
+                await _with_timeout(tool.release(instance_id, **self._kwargs(name, "release_kwargs")),
+                                    tool.settings.timeout)
+            except Exception as e:
+                self.counts["release_errors"] += 1
+                logger.warning("tool %r: release failed (%s: %s)", name, type(e).__name__, e)
+            finally:
+                self.counts["released"] += 1
+
+        if pending:
+            await asyncio.shield(asyncio.gather(*(release(n, i) for n, i in pending.items())))
+
+    def _kwargs(self, name: str, key: str) -> dict:
+        return self.kwargs.get(name, {}).get(key, {})
+
+    # ------------------------------------------------------------------------------------------------ calls
+    async def execute(self, call: ToolCall | ParseError | Mapping[str, Any]) -> ToolResult:
+        """Run one call: a parsed `ToolCall`, a `ParseError` (answered with its message), or a mapping
+        ``{"name", "arguments"}`` / an OpenAI tool call."""
+        return await self._execute(call, self._new_call_id())
+
+    async def execute_many(self, calls: Sequence[ToolCall | ParseError | Mapping[str, Any]],
+                           max_parallel: int | None = None) -> list[ToolResult]:
+        """Run `calls` concurrently (at most `max_parallel` at once, besides each tool's own limit); the results
+        come back in call order."""
+        if max_parallel is not None and max_parallel < 1:
+            raise ValueError(f"max_parallel must be >= 1 or None, got {max_parallel}")
+        gate = asyncio.Semaphore(max_parallel) if max_parallel else None
+
+        async def run(call, call_id: str) -> ToolResult:
+            if gate is None:
+                return await self._execute(call, call_id)
+            async with gate:
+                return await self._execute(call, call_id)
+
+        return list(await asyncio.gather(*(run(call, self._new_call_id()) for call in calls)))
+
+    def _new_call_id(self) -> str:
+        self._next_call += 1
+        return f"call_{self._next_call}"
+
+    async def _execute(self, call: Any, call_id: str) -> ToolResult:
+        started = time.perf_counter()
+        result = await self._dispatch(call, call_id)
+        result.duration_s = time.perf_counter() - started
+        self.counts["calls"] += 1
+        if result.error_kind:
+            self.counts["errors"] += 1
+            self.counts[f"error/{result.error_kind}"] += 1
+        if result.cut_chars:
+            self.counts["truncated"] += 1
+        return result
+
+    async def _dispatch(self, call: Any, call_id: str) -> ToolResult:
+        if isinstance(call, ParseError):
+            kind = call.kind if call.kind in ("unknown_tool", "invalid_arguments") else "parse"
+            tool = self.tools.get(call.name or "")
+            return self._failure(call.name or "", call_id, kind, call.message, tool)
+        try:
+            name, arguments, given_id = _unpack_call(call)
+        except ValueError as e:
+            return self._failure("", call_id, "parse", str(e))
+        call_id = given_id or call_id
+        tool = self.tools.get(name)
+        if tool is None:
+            return self._failure(name, call_id, "unknown_tool", f"unknown tool {shorten(name, 80)!r}; available "
+                                                                f"tools: {', '.join(self.tools) or 'none'}")
+        if name not in self.instances:
+            raise ToolError(f"tool {name!r} has no instance: call create_all() before executing calls")
+        problem = argument_error(tool.validator, arguments)
+        if problem:
+            return self._failure(name, call_id, "invalid_arguments", f"invalid arguments for {name!r}: {problem}",
+                                 tool)
+        return await self._run(tool, call_id, arguments)
+
+    async def _run(self, tool: BaseTool, call_id: str, arguments: dict) -> ToolResult:
+        settings, name = tool.settings, tool.name
+        retryable = (TransientToolError, *tool.transient_errors)
+        attempts = 0
+        async with tool._concurrency_slot():
+            while True:
+                attempts += 1
+                try:
+                    output = await _with_timeout(
+                        tool.execute(self.instances[name], arguments, **self._kwargs(name, "execute_kwargs")),
+                        settings.timeout)
+                    break
+                except _Timeout:
+                    return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after "
+                                                                   f"{settings.timeout}s", tool, attempts)
+                except retryable as e:
+                    if attempts <= settings.retries:
+                        self.counts["retries"] += 1
+                        continue
+                    return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
+                except Exception as e:
+                    return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
+        return self._success(tool, call_id, output, attempts)
+
+    def _success(self, tool: BaseTool, call_id: str, output: Any, attempts: int) -> ToolResult:
+        problem = _response_problem(output)
+        if problem:
+            return self._failure(tool.name, call_id, "bad_response",
+                                 f"tool {tool.name!r} returned an unusable response: {problem}", tool, attempts)
+        response, reward, metrics = output
+        text, images = (response, None) if isinstance(response, str) else (response.text, response.images)
+        text, cut = _cut(text, tool.settings.max_response_chars)
+        return ToolResult(tool.name, call_id, text, float(reward), dict(metrics), attempts=attempts, images=images,
+                          cut_chars=cut)
+
+    def _failure(self, name: str, call_id: str, kind: str, message: str, tool: BaseTool | None = None,
+                 attempts: int = 0) -> ToolResult:
+        text = f"Error: {message}"
+        cut = 0
+        if tool is not None:
+            text, cut = _cut(text, tool.settings.max_response_chars)
+        return ToolResult(name, call_id, text, error=message, error_kind=kind, attempts=attempts, cut_chars=cut,
+                          end_episode=tool is not None and tool.settings.on_error == "end_episode")
+
+
+class _Timeout(Exception):
+    """Raised by `_with_timeout` only (a tool's own TimeoutError is an ordinary exception)."""
+
+
+async def _with_timeout(awaitable: Any, timeout: float) -> Any:
+    """Await `awaitable` for at most `timeout` seconds, then cancel it and raise `_Timeout`. Unlike
+    `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        return task.result()
+    task.cancel()
+    await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
+    task.add_done_callback(_discard_outcome)
+    raise _Timeout
+
+
+def _discard_outcome(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieve it so that asyncio does not log "exception was never retrieved"
+
+
+def _unpack_call(call: Any) -> tuple[str, dict, str | None]:
+    """(name, arguments, id) of a `ToolCall`, a ``{"name", "arguments"}`` mapping or an OpenAI tool call."""
+    if isinstance(call, ToolCall):
+        return call.name, call.arguments, call.id
+    if not isinstance(call, Mapping):
+        raise ValueError(f"a tool call must be a ToolCall or a mapping, got {type(call).__name__}")
+    function = call.get("function", call)
+    name, arguments = function.get("name"), function.get("arguments", {})
+    if not isinstance(name, str):
+        raise ValueError('a tool call needs a string "name"')
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"the arguments of {name!r} are not valid JSON: {shorten(str(e))}") from None
+    return name, arguments, call.get("id")
+
+
+def _response_problem(output: Any) -> str | None:
+    """Why `output` is not a usable ``(response, reward, metrics)``, or None."""
+    if not isinstance(output, tuple | list) or len(output) != 3:
+        return f"execute() must return (response, reward, metrics), got {type(output).__name__}"
+    response, reward, metrics = output
+    if isinstance(response, ToolResponse):
+        if not isinstance(response.text, str):
+            return f"ToolResponse.text must be a str, got {type(response.text).__name__}"
+        if response.images is not None and not isinstance(response.images, list):
+            return f"ToolResponse.images must be a list or None, got {type(response.images).__name__}"
+    elif not isinstance(response, str):
+        return f"the response must be a str or a ToolResponse, got {type(response).__name__}"
+    if not _is_number(reward) or not math.isfinite(reward):
+        return f"the reward must be a finite number, got {shorten(repr(reward), 80)}"
+    if not isinstance(metrics, Mapping):
+        return f"the metrics must be a dict, got {type(metrics).__name__}"
+    return None
+
+
+def _describe(name: str, error: Exception) -> str:
+    if isinstance(error, ToolError):  # written for the model
+        return str(error)
+    return f"tool {name!r} failed: {type(error).__name__}: {shorten(str(error))}"
+
+
+def _cut(text: str, limit: int) -> tuple[str, int]:
+    """`text` cut to `limit` characters plus a marker saying how many were removed, and that number."""
+    if len(text) <= limit:
+        return text, 0
+    removed = len(text) - limit
+    return f"{text[:limit]}\n[... {removed} characters cut ...]", removed
