@@ -7,6 +7,7 @@ Also the data preparation for it: ``python -m envs.gsm8k_tool --prepare DIR --ou
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -116,6 +117,16 @@ def make_row(question: str, answer: str, index: int, split: str = "train") -> di
 
 
 def load_rows(path: str | os.PathLike | None = None, split: str = "train") -> list[dict]:
+    """Cached `read_rows`: every env of a vector or a rollout pool shares one copy of the data."""
+    return _cached_rows(str(path or os.environ.get(DATA_ENV_VAR) or ""), split)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_rows(path: str, split: str) -> list[dict]:
+    return read_rows(path or None, split)
+
+
+def read_rows(path: str | os.PathLike | None = None, split: str = "train") -> list[dict]:
     """GSM8K rows from a jsonl/parquet file, a directory holding ``{split}.jsonl``, ``$MT_ENV_GSM8K``, or the
     Hugging Face hub (``openai/gsm8k``). Raw ``{question, answer}`` records are turned into rows with `make_row`;
     prepared rows (with ``prompt``) are used as they are."""
@@ -126,7 +137,8 @@ def load_rows(path: str | os.PathLike | None = None, split: str = "train") -> li
             candidates = [p / f"{split}.jsonl", p / f"{split}.parquet"]
             p = next((c for c in candidates if c.is_file()), candidates[0])
         if not p.is_file():
-            raise MtEnvError(f"GSM8K data not found at {p}")
+            raise MtEnvError(f"GSM8K data not found at {p}: pass data_path= a jsonl/parquet file or a directory with "
+                             f"{split}.jsonl (GSM8K's own format, or rows prepared with `python -m envs.gsm8k_tool`)")
         if p.suffix == ".parquet":
             import pandas as pd
 
@@ -134,6 +146,9 @@ def load_rows(path: str | os.PathLike | None = None, split: str = "train") -> li
         else:
             records = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
     else:
+        if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
+            raise MtEnvError(f"no GSM8K data and the Hugging Face hub is offline: pass data_path= (a jsonl/parquet "
+                             f"file or a directory with {split}.jsonl) or set ${DATA_ENV_VAR}")
         try:
             from datasets import load_dataset
 
@@ -234,7 +249,7 @@ def main() -> None:
     ap.add_argument("--split", default="train")
     ap.add_argument("--out", required=True, help="output .jsonl")
     args = ap.parse_args()
-    rows = load_rows(args.prepare, args.split)
+    rows = read_rows(args.prepare, args.split)
     with open(args.out, "w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")

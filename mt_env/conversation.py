@@ -286,7 +286,7 @@ class Conversation:
         self.set_parsed(tool_calls, content)
         self._awaiting = "observation"
         if over_budget or self.max_new_tokens == 0:
-            self._truncate("response budget reached")
+            self._truncate("token budget: response limit reached")
         return turn
 
     def set_parsed(self, tool_calls: Sequence[Mapping[str, Any]] | None, content: str | None = None) -> None:
@@ -327,7 +327,7 @@ class Conversation:
         if limit is not None and len(ids) > limit:
             obs = self._cut_observation(obs, limit, lambda m: len(delta_ids(m)[0]))
             if obs is None:
-                self._truncate("no room for the observation")
+                self._truncate("token budget: no room for the observation")
                 return False
             ids, text, gen = delta_ids(obs)
             self.observation_cuts += 1
@@ -353,7 +353,7 @@ class Conversation:
         ids = self.fmt.encode(text + gen)
         total_room = self._room(len(ids) - self.prompt_len, len(ids))
         if total_room < self.budget.min_generation_tokens:
-            self._truncate("no room for the next turn after re-rendering the history")
+            self._truncate("token budget: no room for the next turn after re-rendering the history")
             return False
         self.samples_.append(self._new_sample(ids, text, gen))
         return True

@@ -213,7 +213,10 @@ class ToolEnv(gym.Env):
 
     # ----------------------------------------------------------------------------------------- async API
     async def areset(self, *, seed: int | None = None, options: dict | None = None):
-        """Async twin of `reset`, for drivers that run many envs in one event loop."""
+        """Async twin of `reset`, for drivers that run many envs in one event loop.
+
+        Options: ``task`` (a task row to play instead of drawing one), ``episode`` (an id copied onto the
+        conversation's training samples, e.g. ``(group, index)`` for GRPO)."""
         super().reset(seed=seed)
         await self._end_episode_tools()  # a reset mid-episode releases the previous episode's tools
         options = options or {}
@@ -236,7 +239,7 @@ class ToolEnv(gym.Env):
             fmt = self._formats.get(key) or self._formats.setdefault(key, ChatFormat(
                 self.tokenizer, tools=chosen.schemas or None, template_kwargs=self.template_kwargs))
             self.conversation = Conversation(fmt, messages, budget=self.budget, mode=self.mode, strict=self.strict,
-                                             episode=task.get("episode"))
+                                             episode=options.get("episode"))
             ids = list(self.conversation.context_ids)
             obs = {"text": "".join(s.text for s in self.conversation.current.segments), "input_ids": tuple(ids)}
         else:
@@ -260,6 +263,8 @@ class ToolEnv(gym.Env):
         else:
             text, finish = turn.text if turn.text is not None else "", turn.finish_reason
         parsed = self._parser.parse(text)
+        for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
+            call.id = call.id or f"call_{self.turn - 1}_{i}"
         if conv is not None:
             conv.set_parsed([c.to_openai() for c in parsed.calls], parsed.content)
         else:
