@@ -62,6 +62,7 @@ class ChatFormat:
         self.template_kwargs = dict(template_kwargs or {})
         self.control_text_policy = control_text_in_observations
         self._backend = backend
+        self._pieces: dict[str, list[int]] | None = None  # see below
         self.vocab_size = len(tokenizer)
 
         eot = end_of_turn or tokenizer.eos_token
@@ -72,15 +73,27 @@ class ChatFormat:
             raise ChatFormatError(f"end-of-turn text {eot!r} is {len(eot_ids)} tokens; it must be one (added) token")
         self.end_of_turn, self.end_of_turn_id = eot, eot_ids[0]
 
-        added = sorted({t.content for t in tokenizer.added_tokens_decoder.values()}, key=len, reverse=True)
+        added_tokens = list(tokenizer.added_tokens_decoder.values())
+        added = sorted({t.content for t in added_tokens}, key=len, reverse=True)
         self.control_texts = tuple(added)
         self._control_re = re.compile("|".join(map(re.escape, added))) if added else None
         self._control_first_chars = frozenset(t[0] for t in added)
+        # Text between control tokens is tokenized independently of its neighbours (the tokenizer splits added
+        # tokens out first), so encodings of repeated pieces — system prompt and tool schemas, wrappers — can be
+        # reused. Only for plain added tokens (no lstrip/rstrip/single_word/normalized matching), and verified.
+        if self._control_re is not None and not any(
+                t.lstrip or t.rstrip or t.single_word or t.normalized for t in added_tokens):
+            self._pieces = {}
 
         self.generation_prompt = self._find_generation_prompt()
         self.generation_prompt_ids = self.encode(self.generation_prompt)
         self.turn_tail = self._find_turn_tail()
         self._conformance = None
+        if self._pieces is not None:
+            probe = self.render([{"role": "user", "content": "Hi <tool_call> 12 ab"}], add_generation_prompt=True)
+            probe += " ".join(self.control_texts) + " x\n\n y"
+            if self.encode(probe) != self._backend.encode(probe, add_special_tokens=False).ids:
+                self._pieces = None  # the tokenizer splits added tokens differently: no reuse
 
     # ----------------------------------------------------------------------------------------- text <-> ids
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
@@ -95,7 +108,27 @@ class ChatFormat:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text`; control-token text becomes control tokens; no BOS/EOS is added."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        if self._pieces is None or len(text) < 64:
+            return self._backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        start = 0
+        for m in self._control_re.finditer(text):
+            if m.start() > start:
+                ids += self._piece(text[start:m.start()])
+            ids += self._piece(m[0])
+            start = m.end()
+        if start < len(text):
+            ids += self._piece(text[start:])
+        return ids
+
+    def _piece(self, piece: str) -> list[int]:
+        ids = self._pieces.get(piece)
+        if ids is None:
+            ids = self._backend.encode(piece, add_special_tokens=False).ids
+            if len(self._pieces) >= 4096:  # bounded: unique pieces (tool outputs) must not grow it forever
+                self._pieces.clear()
+            self._pieces[piece] = ids
+        return ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]

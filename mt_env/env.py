@@ -265,15 +265,16 @@ class ToolEnv(gym.Env):
         parsed = self._parser.parse(text)
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
+        openai_calls = [c.to_openai() for c in parsed.calls]
         if conv is not None:
-            conv.set_parsed([c.to_openai() for c in parsed.calls], parsed.content)
+            conv.set_parsed(openai_calls, parsed.content)
         else:
             msg = {"role": "assistant", "content": text}
-            if parsed.calls:
-                msg["tool_calls"] = [c.to_openai() for c in parsed.calls]
+            if openai_calls:
+                msg["tool_calls"] = openai_calls
             self.messages.append(msg)
 
-        info: dict[str, Any] = {"turn": self.turn, "finish_reason": finish, "tool_calls": [c.to_openai() for c in parsed.calls],
+        info: dict[str, Any] = {"turn": self.turn, "finish_reason": finish, "tool_calls": openai_calls,
                                 "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors]}
         self.totals["parse_errors"] += len(parsed.errors)
         reward, terminated, truncated, reason = 0.0, False, False, None

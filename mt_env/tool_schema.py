@@ -59,12 +59,65 @@ def schema_name(tool_schema: Mapping[str, Any]) -> str:
     return tool_schema["function"]["name"]
 
 
-def arguments_validator(tool_schema: Mapping[str, Any]) -> Draft202012Validator:
+# Keywords whose meaning is the same in JSON Schema draft-07 (what fastjsonschema compiles) and 2020-12 (what
+# jsonschema checks): schemas made only of these get the compiled fast path, the rest use jsonschema alone.
+_PORTABLE_KEYWORDS = frozenset({
+    "type", "properties", "required", "additionalProperties", "enum", "const", "description", "title", "default",
+    "examples", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "minLength",
+    "maxLength", "pattern", "minItems", "maxItems", "uniqueItems", "minProperties", "maxProperties",
+    "anyOf", "oneOf", "allOf", "not", "format",
+})
+
+
+def _portable(schema: Any) -> bool:
+    if isinstance(schema, bool):
+        return True
+    if not isinstance(schema, Mapping) or not set(schema) <= _PORTABLE_KEYWORDS | {"items"}:
+        return False
+    if "items" in schema and not isinstance(schema["items"], (Mapping, bool)):
+        return False  # 2020-12 dropped the array form of `items`
+    subs = list((schema.get("properties") or {}).values())
+    subs += [schema[k] for k in ("items", "additionalProperties", "not") if isinstance(schema.get(k), (Mapping, bool))]
+    subs += [sub for k in ("anyOf", "oneOf", "allOf") for sub in schema.get(k, [])]
+    return all(_portable(sub) for sub in subs)
+
+
+class ArgumentsValidator:
+    """jsonschema's 2020-12 validator, with `is_valid` answered by a compiled fastjsonschema check when the schema
+    uses only keywords that mean the same in both drafts: every tool call is validated, and jsonschema's
+    interpreter would be a large part of an env step. Error messages always come from jsonschema."""
+
+    def __init__(self, schema: Mapping[str, Any]):
+        self.schema = schema
+        self.jsonschema = Draft202012Validator(schema)
+        self._fast = None
+        if _portable(schema):
+            import fastjsonschema
+
+            try:
+                self._fast = fastjsonschema.compile({**schema, "$schema": "http://json-schema.org/draft-07/schema#"})
+            except Exception:  # a schema fastjsonschema cannot compile: jsonschema alone
+                self._fast = None
+
+    def is_valid(self, instance: Any) -> bool:
+        if self._fast is None:
+            return self.jsonschema.is_valid(instance)
+        try:
+            self._fast(instance)
+            return True
+        except Exception:
+            return False
+
+    def iter_errors(self, instance: Any):
+        return self.jsonschema.iter_errors(instance)
+
+
+def arguments_validator(tool_schema: Mapping[str, Any]) -> ArgumentsValidator:
     """A validator for the arguments of calls to the (already checked) `tool_schema`."""
-    return Draft202012Validator(tool_schema["function"]["parameters"])
+    return ArgumentsValidator(tool_schema["function"]["parameters"])
 
 
-def validators_by_name(tool_schemas: Sequence[Mapping[str, Any]]) -> dict[str, Draft202012Validator]:
+def validators_by_name(tool_schemas: Sequence[Mapping[str, Any]]) -> dict[str, ArgumentsValidator]:
     """Checked schemas' validators keyed by tool name, for parsers given the episode's schemas."""
     out = {}
     for i, schema in enumerate(tool_schemas):
@@ -73,10 +126,12 @@ def validators_by_name(tool_schemas: Sequence[Mapping[str, Any]]) -> dict[str, D
     return out
 
 
-def argument_error(validator: Draft202012Validator, arguments: Any) -> str | None:
+def argument_error(validator: ArgumentsValidator, arguments: Any) -> str | None:
     """Why `arguments` do not fit the schema (a short message for the model), or None when they do."""
     if not isinstance(arguments, dict):
         return f"arguments must be a JSON object, got {_json_type(arguments)}"
+    if validator.is_valid(arguments):  # the common case, without building error objects
+        return None
     # The first few errors are enough to explain; a huge array of bad items must not cost one error per item.
     error = best_match(itertools.islice(validator.iter_errors(arguments), 20))
     if error is None:

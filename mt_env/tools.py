@@ -30,11 +30,13 @@ Tools must not block the event loop: run blocking work with ``await asyncio.to_t
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import math
 import numbers
 import time
+import types
 import uuid
 import weakref
 from collections import Counter
@@ -266,7 +268,7 @@ class ToolBox:
             self.instances[tool.name] = created
             self.counts["created"] += 1
 
-        outcomes = await asyncio.gather(*(create(t) for t in self.tools.values()), return_exceptions=True)
+        outcomes = await _gather([create(t) for t in self.tools.values()], return_exceptions=True)
         failures = [(name, e) for name, e in zip(self.tools, outcomes) if isinstance(e, BaseException)]
         if failures:
             await self.release_all()
@@ -294,7 +296,7 @@ class ToolBox:
                 return 0.0
 
         names = [name for name in self.tools if name in self.instances]
-        values = await asyncio.gather(*(reward(name, self.instances[name]) for name in names))
+        values = await _gather([reward(name, self.instances[name]) for name in names])
         return dict(zip(names, values))
 
     async def release_all(self) -> None:
@@ -331,7 +333,9 @@ class ToolBox:
         come back in call order."""
         if max_parallel is not None and max_parallel < 1:
             raise ValueError(f"max_parallel must be >= 1 or None, got {max_parallel}")
-        gate = asyncio.Semaphore(max_parallel) if max_parallel else None
+        if len(calls) == 1:  # the common case: no gathering
+            return [await self._execute(calls[0], self._new_call_id())]
+        gate = asyncio.Semaphore(max_parallel) if max_parallel and max_parallel < len(calls) else None
 
         async def run(call, call_id: str) -> ToolResult:
             if gate is None:
@@ -424,14 +428,37 @@ class ToolBox:
                           end_episode=tool is not None and tool.settings.on_error == "end_episode")
 
 
+async def _gather(coros: list, return_exceptions: bool = False) -> list:
+    """`asyncio.gather`, without its task overhead for a single coroutine (the usual one-tool episode)."""
+    if len(coros) != 1:
+        return await asyncio.gather(*coros, return_exceptions=return_exceptions)
+    try:
+        return [await coros[0]]
+    except Exception as e:
+        if return_exceptions:
+            return [e]
+        raise
+
+
 class _Timeout(Exception):
     """Raised by `_with_timeout` only (a tool's own TimeoutError is an ordinary exception)."""
 
 
 async def _with_timeout(awaitable: Any, timeout: float) -> Any:
     """Await `awaitable` for at most `timeout` seconds, then cancel it and raise `_Timeout`. Unlike
-    `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited."""
-    task = asyncio.ensure_future(awaitable)
+    `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited.
+
+    Most tools finish without ever suspending (pure computation); those run inline here, with no task and no
+    timer — the event-loop overhead would otherwise dominate an env step. A tool that suspends continues as a task
+    under the timeout."""
+    if inspect.iscoroutine(awaitable):
+        try:
+            first = awaitable.send(None)
+        except StopIteration as done:
+            return done.value
+        task = asyncio.ensure_future(_resume(awaitable, first))
+    else:
+        task = asyncio.ensure_future(awaitable)
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     except asyncio.CancelledError:
@@ -443,6 +470,28 @@ async def _with_timeout(awaitable: Any, timeout: float) -> Any:
     await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
     task.add_done_callback(_discard_outcome)
     raise _Timeout
+
+
+@types.coroutine
+def _resume(coro, yielded):
+    """Drive a coroutine that was started by hand and suspended on `yielded` (what `yield from` would do, from
+    the middle): values and exceptions from the event loop go in, its awaits come out."""
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as e:  # cancellation and other throws go to the tool
+            try:
+                yielded = coro.throw(e)
+            except StopIteration as done:
+                return done.value
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as done:
+                return done.value
 
 
 def _discard_outcome(task: asyncio.Future) -> None:

@@ -21,7 +21,7 @@ from mt_env.errors import ConversationError, DriftError
 from mt_env.tokenizer import offline_tokenizer
 
 from .conftest import LOOKUP_TOOL, shared_tokenizer
-from .strategies import conversation_plan, play
+from .strategies import CONTROL_TEXTS, conversation_plan, play, untrusted_text
 
 FORMATS = {
     "qwen2.5": lambda: ChatFormat(offline_tokenizer("qwen2.5"), tools=[LOOKUP_TOOL]),
@@ -186,3 +186,10 @@ def official_qwen25():
 def test_offline_tokenizer_encodes_like_the_official_one(official_qwen25, text):
     mine = offline_tokenizer("qwen2.5")
     assert mine(text, add_special_tokens=False).input_ids == official_qwen25(text, add_special_tokens=False).input_ids
+
+
+@given(pieces=st.lists(st.one_of(untrusted_text, st.sampled_from(CONTROL_TEXTS)), max_size=12))
+def test_chat_format_encoding_equals_the_tokenizer(fmt, pieces):
+    """ChatFormat.encode reuses encodings of text between control tokens; it must equal plain tokenization."""
+    text = "".join(pieces) * 3  # long enough for the piece cache, with repeats for cache hits
+    assert fmt.encode(text) == fmt.tokenizer(text, add_special_tokens=False).input_ids

@@ -1,0 +1,114 @@
+"""Env steps per second with replayed model turns (no model): GSM8kTool-v0, 1 and 256 envs, tokenizer off and on.
+
+Each episode replays three recorded-style model turns on a real GSM8K problem: reasoning + a tool call with a
+wrong answer, a tool call with the right one, the final ``#### <n>``. The tool, parser, conversation and env logic
+all run for real. An env step is one model turn consumed; resets (tool create/release, prompt rendering) run
+between episodes and their time is counted in the wall time but not as steps.
+
+Rows: mt_env's `ToolVectorEnv` (all envs' tool calls in one event loop) and, as the baseline measured in the same
+run, Gymnasium's `SyncVectorEnv` (`gym.make_vec(..., vectorization_mode="sync")`, envs stepped one by one).
+Goal (issue 3): >= 20k env-steps/s on 2 cores for GSM8kTool with the tokenizer off.
+
+    python benchmarks/bench_envs.py [--data ../shared/data/gsm8k] [--episodes 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+import mt_env  # noqa: F401
+from envs.gsm8k_tool import GSM8kToolEnv
+from mt_env.env import ModelTurn
+from mt_env.parsers import HermesParser, ToolCall
+from mt_env.vector import ToolVectorEnv
+
+REASONING = ("Let me work through this. First I find the quantities given in the problem, then I combine them "
+             "step by step, and finally I check the result with the tool before answering.")
+
+
+def model_turns(truth: str) -> list[str]:
+    wrong = str(int(float(truth)) + 1)
+    check = lambda answer: HermesParser.format_turn([ToolCall("calc_gsm8k_reward", {"answer": answer})])  # noqa: E731
+    return [f"{REASONING}\n{check(wrong)}", f"That was off by one.\n{check(truth)}", f"So the answer is #### {truth}"]
+
+
+def run(envs, num_envs: int, episodes: int, fmt=None, subset: bool = True) -> float:
+    """env-steps/s over `episodes` episodes per env; the replayed turns are prepared before the clock starts."""
+    rows = envs_rows(envs)
+    idx = list(range(num_envs))
+    plan = []
+    for e in range(episodes):
+        tasks = [rows[(e * num_envs + i) % len(rows)] for i in idx]
+        turns = [model_turns(t["reward_model"]["ground_truth"]) for t in tasks]
+        actions = [[_action(turns[i][k], fmt) if fmt else turns[i][k] for i in idx] for k in range(3)]
+        plan.append(([{"task": t} for t in tasks], actions))
+    steps, start = 0, time.perf_counter()
+    for options, actions in plan:
+        if subset:
+            envs.reset_subset(idx, options=options)
+        else:
+            envs.reset(options=options[0])
+        for step_actions in actions:
+            envs.step_subset(idx, step_actions) if subset else envs.step(step_actions)
+            steps += num_envs
+    return steps / (time.perf_counter() - start)
+
+
+_encoded: dict = {}
+
+
+def _action(text: str, fmt) -> ModelTurn:
+    """Replayed sampled ids (encoded once, outside the timing loop's concern: an engine hands ids over)."""
+    if text not in _encoded:
+        _encoded[text] = fmt.encode(text) + [fmt.end_of_turn_id]
+    return ModelTurn(token_ids=_encoded[text])
+
+
+def envs_rows(envs):
+    return envs.base_envs[0].rows if hasattr(envs, "base_envs") else envs.envs[0].unwrapped.rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--data", default=os.environ.get("MT_ENV_GSM8K", str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k")))
+    ap.add_argument("--episodes", type=int, default=8, help="episodes per env (each 3 steps)")
+    args = ap.parse_args()
+    print(f"GSM8kTool-v0, data {args.data}; {args.episodes} episodes x 3 steps per env; cpu threads: "
+          f"{os.cpu_count()}\n")
+    print(f"{'vector env':<26} {'envs':>5} {'tokenizer':>10} {'env-steps/s':>12}")
+    results = {}
+    for tokenizer in (None, "offline:qwen2.5"):
+        for n in (1, 256):
+            envs = ToolVectorEnv([lambda: GSM8kToolEnv(data_path=args.data, tokenizer=tokenizer) for _ in range(n)])
+            fmt = None
+            if tokenizer:
+                envs.reset_subset([0])
+                fmt = envs.base_envs[0].conversation.fmt
+            run(envs, n, 1, fmt)  # warm-up (chat formats, template check, caches)
+            episodes = args.episodes if n > 1 else args.episodes * 64
+            rate = run(envs, n, episodes, fmt)
+            results[(tokenizer, n)] = rate
+            print(f"{'mt_env ToolVectorEnv':<26} {n:>5} {('on' if tokenizer else 'off'):>10} {rate:>12,.0f}")
+            envs.close()
+        if tokenizer is None:
+            sync = gym.make_vec("GSM8kTool-v0", num_envs=256, vectorization_mode="sync", data_path=args.data)
+            run(sync, 256, 1, subset=False)
+            rate = run(sync, 256, args.episodes, subset=False)
+            results["sync"] = rate
+            print(f"{'gymnasium SyncVectorEnv':<26} {256:>5} {'off':>10} {rate:>12,.0f}")
+            sync.close()
+    goal = results[(None, 256)]
+    print(f"\nToolVectorEnv vs SyncVectorEnv at 256 envs: {goal / results['sync']:.2f}x")
+    print(f"goal >= 20,000 env-steps/s (256 envs, tokenizer off): {goal:,.0f}  {'PASS' if goal >= 20_000 else 'FAIL'}")
+    print(f"with the tokenizer on (exact template-delta ids every step): {results[('offline:qwen2.5', 256)]:,.0f}")
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=2)
+    main()
