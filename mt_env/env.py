@@ -178,6 +178,10 @@ class ToolEnv(gym.Env):
         """The episode's final reward: by default the tools' ``calc_reward`` plus `answer_reward`."""
         return float(sum(tool_rewards.values())) + float(self.answer_reward(task, final_text))
 
+    def success(self, info: Mapping[str, Any]) -> bool:
+        """Whether an ended episode counts as solved (for success rates); default: a positive final reward."""
+        return float(info.get("final_reward") or 0.0) > 0
+
     def interaction(self, task: Mapping[str, Any], final_text: str) -> str | None:
         """A user follow-up after an answer (e.g. "that is wrong, try again"), or None to end the episode."""
         return None
@@ -359,6 +363,11 @@ class ToolEnv(gym.Env):
             self.conversation.final_reward = final
         await self._end_episode_tools()
         return final, tool_rewards, answer
+
+    async def aabandon(self) -> None:
+        """End the current episode without scoring it (e.g. after an error outside the env): its tools are released
+        and `step` needs a `reset` again."""
+        await self._end_episode_tools()
 
     async def _end_episode_tools(self) -> None:
         self._active = False

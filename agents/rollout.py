@@ -1,0 +1,350 @@
+"""The asynchronous multi-turn rollout: many episodes in flight against one policy, each its own state machine.
+
+    PENDING ──reset──▶ RUNNING ──turn with tool calls──▶ TOOL_CALLING ──tools returned──▶ RUNNING ─ … ─▶
+        COMPLETED (terminated) | TRUNCATED (turn limit, token budget, aborted generation) | FAILED (an error)
+
+Every episode is a coroutine that drives one env through its public Gymnasium API (`areset` / `astep`, the async
+twins) and asks the policy for the next turn the moment its tools return — there is no lockstep across episodes:
+a short episode finishes while a long one is still generating, and the policy batches whatever requests are in
+flight. Finished episodes are reassembled into one training batch (`RolloutResult.batch`).
+
+Failure isolation: an exception inside one episode (a tool, the parser, a generation error, a timeout) marks it
+FAILED with the reason; the other episodes go on. A failed episode's tokens stay in the batch with loss mask 0 and
+it is counted — never silently dropped. A prompt longer than the token budget is skipped and counted
+(``rollout/skipped``). A policy that dies (`PolicyError`) fails the whole rollout with that error, at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import hashlib
+import math
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import gymnasium as gym
+
+from mt_env.batch import Batch, pack_samples, pad_samples
+from mt_env.conversation import Sample
+from mt_env.env import ModelTurn, ToolEnv
+from mt_env.errors import BudgetError
+
+from .policy import Policy, PolicyError, SamplingParams
+
+
+class EpisodeState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    TOOL_CALLING = "tool_calling"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    FAILED = "failed"
+
+
+class EpisodeId(NamedTuple):
+    """`group`: the task's index in the batch (GRPO groups); `index`: the sample within the group."""
+
+    group: int
+    index: int
+
+
+@dataclass
+class EpisodeRecord:
+    """Everything about one finished episode (JSON-friendly apart from `samples`)."""
+
+    id: EpisodeId
+    state: EpisodeState = EpisodeState.PENDING
+    history: list[str] = field(default_factory=list)  #: states in the order they were entered
+    error: str | None = None  #: why it FAILED (or was skipped)
+    end_reason: str | None = None
+    turns: int = 0
+    finish_reasons: list[str] = field(default_factory=list)  #: per generated turn
+    turn_rewards: list[float] = field(default_factory=list)  #: step rewards per turn (tools)
+    final_reward: float = 0.0
+    success: bool = False
+    tool_calls: int = 0
+    tool_errors: int = 0
+    parse_errors: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    messages: list[dict] = field(default_factory=list)
+    generation_s: float = 0.0  #: time this episode spent waiting for the policy
+    tool_s: float = 0.0  #: time it spent in env steps (tools, parsing, conversation bookkeeping)
+    finished_at: float = 0.0  #: seconds since the rollout started
+    samples: list[Sample] = field(default_factory=list, repr=False)
+
+    @property
+    def total_reward(self) -> float:
+        return sum(self.turn_rewards) + self.final_reward
+
+    def enter(self, state: EpisodeState) -> None:
+        self.state = state
+        self.history.append(state.value)
+
+    def to_dict(self) -> dict:
+        return {k: (v.value if isinstance(v, enum.Enum) else list(v) if k == "id" else v)
+                for k, v in self.__dict__.items() if k != "samples"}
+
+
+@dataclass
+class RolloutResult:
+    episodes: list[EpisodeRecord]
+    metrics: dict[str, float]
+
+    @property
+    def samples(self) -> list[Sample]:
+        return [s for e in self.episodes for s in e.samples]
+
+    def batch(self, pad_token_id: int, layout: str = "padded") -> Batch:
+        """The training batch of all episodes' samples (failed ones with loss mask 0)."""
+        samples = self.samples
+        if not samples:
+            raise ValueError("the rollout produced no samples (every episode was skipped)")
+        if layout == "padded":
+            return pad_samples(samples, pad_token_id)
+        if layout == "packed":
+            return pack_samples(samples)
+        raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+
+
+class _Activity:
+    """Splits wall time into generation / tools / bookkeeping: time with a generation in flight counts as
+    generation; otherwise, time with a tool step running counts as tools; the rest is the driver's own work."""
+
+    def __init__(self):
+        self.active = Counter()
+        self.spent = Counter()
+        self.last = time.perf_counter()
+
+    def _tick(self):
+        now = time.perf_counter()
+        kind = "generation" if self.active["generation"] else "tools" if self.active["tools"] else "bookkeeping"
+        self.spent[kind] += now - self.last
+        self.last = now
+
+    def begin(self, kind: str):
+        self._tick()
+        self.active[kind] += 1
+
+    def end(self, kind: str):
+        self._tick()
+        self.active[kind] -= 1
+
+
+class RolloutDriver:
+    """Runs episodes of one env type against one policy.
+
+    Args:
+        env: a callable returning a fresh env, or a registered Gymnasium id (with `env_kwargs`). The env must have
+            a tokenizer (token-in/token-out) — the driver sends `obs["input_ids"]` to the policy.
+        policy: the generation backend.
+        sampling: sampling parameters; ``max_new_tokens`` is per turn and further capped by each episode's budget.
+            The env's end-of-turn token is added to the stop tokens.
+        max_concurrency: episodes in flight at once (= envs in the pool).
+        generation_timeout_s: a generation taking longer fails its episode.
+        seed: base seed for env resets and per-episode sampling seeds.
+        progress: show a progress bar.
+    """
+
+    def __init__(self, env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
+                 env_kwargs: dict | None = None, max_concurrency: int = 256, generation_timeout_s: float | None = 600,
+                 seed: int = 0, progress: bool = False):
+        self.make_env = (lambda: gym.make(env, **(env_kwargs or {}))) if isinstance(env, str) else env
+        self.policy = policy
+        self.sampling = sampling or SamplingParams()
+        self.max_concurrency = max_concurrency
+        self.generation_timeout_s = generation_timeout_s
+        self.seed = seed
+        self.progress = progress
+        self._pool: list[gym.Env] = []
+        self._created = 0
+
+    # ----------------------------------------------------------------------------------------- public
+    def run(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
+        """Synchronous `arun` (in a fresh event loop)."""
+        return asyncio.run(self.arun(tasks, n, step, **sampling_overrides))
+
+    async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
+        """Play every task `n` times (groups of `n` for GRPO), all concurrently; returns records and metrics."""
+        if n < 1:
+            raise ValueError("n must be >= 1")
+        sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
+        ids = [EpisodeId(g, i) for g in range(len(tasks)) for i in range(n)]
+        records = [EpisodeRecord(id=e) for e in ids]
+        for r in records:
+            r.enter(EpisodeState.PENDING)
+        free: asyncio.Queue = asyncio.Queue()
+        for env in self._pool:
+            free.put_nowait(env)
+        clock = _Activity()
+        start = time.perf_counter()
+        bar = _progress_bar(len(records)) if self.progress else None
+
+        async def one(record: EpisodeRecord) -> None:
+            env = await self._acquire(free)
+            try:
+                await self._play(env, tasks[record.id.group], record, sampling, step, clock)
+            finally:
+                record.finished_at = time.perf_counter() - start
+                free.put_nowait(env)
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(success=f"{sum(r.success for r in records) / max(1, bar.n):.2f}")
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for record in records:
+                    group.create_task(one(record))
+        except* PolicyError as eg:
+            raise eg.exceptions[0] from None
+        finally:
+            if bar is not None:
+                bar.close()
+            self._pool = [free.get_nowait() for _ in range(free.qsize())]
+        clock._tick()
+        wall = time.perf_counter() - start
+        return RolloutResult(records, _metrics(records, wall, clock.spent))
+
+    def close(self) -> None:
+        for env in self._pool:
+            env.close()
+        self._pool = []
+
+    # ----------------------------------------------------------------------------------------- one episode
+    async def _acquire(self, free: asyncio.Queue) -> gym.Env:
+        if free.empty() and self._created < self.max_concurrency:
+            self._created += 1
+            env = self.make_env()
+            base = env.unwrapped
+            if not isinstance(base, ToolEnv) or base.tokenizer is None:
+                raise TypeError("the rollout driver needs ToolEnv environments created with a tokenizer")
+            return env
+        return await free.get()
+
+    async def _play(self, env: gym.Env, task: dict, record: EpisodeRecord, sampling: SamplingParams, step: int,
+                    clock: _Activity) -> None:
+        base: ToolEnv = env.unwrapped
+        seed = _seed(self.seed, step, record.id)
+        try:
+            try:
+                obs, info = await base.areset(seed=seed % 2**31, options={"task": task, "episode": record.id})
+            except BudgetError as e:
+                record.error = f"skipped: {e}"
+                record.enter(EpisodeState.FAILED)
+                return
+            conv = base.conversation
+            record.enter(EpisodeState.RUNNING)
+            record.prompt_tokens = len(obs["input_ids"])
+            context = list(obs["input_ids"])
+            stop = tuple(dict.fromkeys((*sampling.stop_token_ids, conv.fmt.end_of_turn_id)))
+            turn = 0
+            while True:
+                params = sampling.replace(max_new_tokens=max(1, min(sampling.max_new_tokens, conv.max_new_tokens)),
+                                          stop_token_ids=stop, seed=(seed + turn) % 2**63)
+                clock.begin("generation")
+                t0 = time.perf_counter()
+                try:
+                    gen = await asyncio.wait_for(self.policy.generate(context, params), self.generation_timeout_s)
+                finally:
+                    record.generation_s += time.perf_counter() - t0
+                    clock.end("generation")
+                record.finish_reasons.append(gen.finish_reason)
+                record.generated_tokens += len(gen.ids)
+                record.enter(EpisodeState.TOOL_CALLING)
+                clock.begin("tools")
+                t0 = time.perf_counter()
+                try:
+                    obs, reward, terminated, truncated, info = await base.astep(
+                        ModelTurn(token_ids=gen.ids, logprobs=gen.logprobs, finish_reason=gen.finish_reason))
+                finally:
+                    record.tool_s += time.perf_counter() - t0
+                    clock.end("tools")
+                turn += 1
+                record.turns = turn
+                record.turn_rewards.append(info.get("step_reward", 0.0))
+                record.tool_calls += len(info.get("tool_results", []))
+                record.tool_errors += info.get("tool_errors", 0)
+                record.parse_errors += len(info.get("parse_errors", []))
+                if terminated or truncated:
+                    record.final_reward = info["final_reward"]
+                    record.success = base.success(info)
+                    record.end_reason = info.get("end_reason")
+                    record.enter(EpisodeState.COMPLETED if terminated else EpisodeState.TRUNCATED)
+                    break
+                context = list(obs["input_ids"]) if info.get("replace_context") else context + gen.ids + list(obs["input_ids"])
+                record.enter(EpisodeState.RUNNING)
+            record.samples = conv.samples()
+        except PolicyError:
+            raise
+        except Exception as e:  # isolate: this episode fails, the others go on
+            record.error = f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) else (
+                f"generation timed out after {self.generation_timeout_s}s")
+            record.enter(EpisodeState.FAILED)
+            conv = base.conversation
+            if conv is not None and conv.turns:
+                conv.strict = False  # the failure may be the drift check itself: keep the tokens, train on none
+                record.samples = conv.samples(trainable=False)
+            await base.aabandon()
+        finally:
+            if base.conversation is not None:
+                record.messages = base.conversation.messages
+
+
+def _seed(base: int, step: int, episode: EpisodeId) -> int:
+    digest = hashlib.blake2b(f"{base}/{step}/{episode.group}/{episode.index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="rollout", unit="ep", leave=False, dynamic_ncols=True)
+
+
+def _metrics(records: list[EpisodeRecord], wall: float, spent: Counter) -> dict[str, float]:
+    played = [r for r in records if r.state != EpisodeState.PENDING and not (r.error or "").startswith("skipped")]
+    ok = [r for r in played if r.state != EpisodeState.FAILED]
+
+    def mean(xs):
+        xs = list(xs)
+        return float(statistics.fmean(xs)) if xs else 0.0
+
+    rewards = [r.total_reward for r in ok]
+    states = Counter(r.state.value for r in records)
+    finish = Counter(f for r in records for f in r.finish_reasons)
+    generated = sum(r.generated_tokens for r in records)
+    responses = [len(s.ids) - s.prompt_len for r in ok for s in r.samples]
+    m = {
+        "rollout/episodes": len(records),
+        "rollout/completed": states.get("completed", 0),
+        "rollout/truncated": states.get("truncated", 0),
+        "rollout/failed": sum(1 for r in records if r.state == EpisodeState.FAILED and not (r.error or "").startswith("skipped")),
+        "rollout/skipped": sum(1 for r in records if (r.error or "").startswith("skipped")),
+        "rollout/success_rate": mean(r.success for r in ok),
+        "rollout/reward_mean": mean(rewards),
+        "rollout/reward_std": float(statistics.pstdev(rewards)) if len(rewards) > 1 else 0.0,
+        "rollout/turns_mean": mean(r.turns for r in ok),
+        "rollout/tool_calls_mean": mean(r.tool_calls for r in ok),
+        "rollout/tool_call_rate": mean(r.tool_calls > 0 for r in ok),
+        "rollout/tool_errors": sum(r.tool_errors for r in records),
+        "rollout/parse_errors": sum(r.parse_errors for r in records),
+        "rollout/response_len_mean": mean(responses),
+        "rollout/response_len_max": max(responses, default=0),
+        "rollout/prompt_len_mean": mean(r.prompt_tokens for r in played),
+        "rollout/generated_tokens": generated,
+        "rollout/wall_s": wall,
+        "rollout/gen_tokens_per_s": generated / wall if wall > 0 else 0.0,
+        "time/generation_s": spent["generation"],
+        "time/tools_s": spent["tools"],
+        "time/bookkeeping_s": spent["bookkeeping"],
+    }
+    for reason, count in finish.items():
+        m[f"rollout/finish_{reason}"] = count
+    for reason, count in Counter(r.end_reason for r in ok if r.end_reason).items():
+        m[f"rollout/end/{reason}"] = count
+    return {k: (float(v) if not isinstance(v, float) or math.isfinite(v) else 0.0) for k, v in m.items()}
