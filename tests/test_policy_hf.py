@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from agents.hf_policy import HFPolicy
 from agents.policy import Generation, GenerationError, PolicyError, SamplingParams
 
 VOCAB = 512
+DEVICE = os.environ.get("MT_ENV_TEST_DEVICE", "cpu")  # e.g. "cuda" to run these tests on a GPU
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 
 
@@ -20,7 +22,7 @@ def tiny_model(seed: int = 0, vocab: int = VOCAB) -> Qwen2ForCausalLM:
     torch.manual_seed(seed)
     config = Qwen2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
-    return Qwen2ForCausalLM(config).eval()
+    return Qwen2ForCausalLM(config).to(DEVICE).eval()
 
 
 @pytest.fixture(scope="module")
@@ -45,16 +47,16 @@ def greedy_by_hand(model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ids.append(int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+            ids.append(int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
     return ids[len(prompt):]
 
 
 def logprobs_by_hand(model, prompt: list[int], ids: list[int], temperature: float) -> list[float]:
     """log_softmax(logits / T) of `ids` after `prompt`, from one forward pass over the whole sequence."""
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + ids])).logits[0, len(prompt) - 1:-1].float()
-    scaled = logits / (temperature if temperature > 0 else 1.0)
-    return torch.log_softmax(scaled, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
+        logits = model(input_ids=torch.tensor([prompt + ids], device=model.device)).logits[0, len(prompt) - 1:-1]
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, -1).gather(1, torch.tensor(ids, device=model.device)[:, None]).squeeze(1).tolist()
 
 
 PROMPTS = [[1, 2, 3, 4], [7] * 9, [300, 5], list(range(20, 37))]
@@ -153,7 +155,7 @@ def test_sampling_follows_the_truncated_distribution():
     peaked = tiny_model(seed=5)
     with torch.no_grad():
         peaked.lm_head.weight.mul_(40)  # a few tokens carry most of the mass
-        logits = peaked(input_ids=torch.tensor([PROMPTS[0]])).logits[0, -1]
+        logits = peaked(input_ids=torch.tensor([PROMPTS[0]], device=DEVICE)).logits[0, -1].float().cpu()
     top2 = logits.topk(2)
     p_first = torch.softmax(top2.values, -1)[0].item()  # probability of the argmax after top-k=2 renormalizes
     n = 400
@@ -292,7 +294,7 @@ def test_shares_weights_with_the_trainer():
             training_after_generation = model.training
             # One optimizer step that makes `target` likely after every position of the greedy output.
             optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
-            logits = model(input_ids=torch.tensor([PROMPTS[0] + before.ids])).logits[0]
+            logits = model(input_ids=torch.tensor([PROMPTS[0] + before.ids], device=DEVICE)).logits[0]
             loss = -torch.log_softmax(logits, -1)[:, target].mean()
             loss.backward()
             optimizer.step()
