@@ -242,6 +242,29 @@ def test_requests_arriving_mid_batch_join_it_and_decode_correctly(model):
     assert calls[0] <= 60 + 2  # the late rows cost at most their prefill passes on top of the long request's 60
 
 
+def test_sliding_window_cache_keeps_late_requests_correct():
+    """Caches that cannot be merged (a sliding-window layer) run late requests as a batch of their own."""
+    torch.manual_seed(7)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, use_sliding_window=True, sliding_window=6,
+                         max_window_layers=1)
+    sliding = Qwen2ForCausalLM(config).to(DEVICE).eval()
+    lengths = [3, 12, 7, 9]
+
+    async def main():
+        async with HFPolicy(sliding) as policy:
+            long = asyncio.create_task(policy.generate([3, 1, 4, 1], GREEDY.replace(max_new_tokens=30)))
+            await asyncio.sleep(0.01)
+            late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=n))
+                                          for p, n in zip(PROMPTS, lengths)))
+            return await long, late
+
+    long, late = run(main())
+    assert long.ids == greedy_by_hand(sliding, [3, 1, 4, 1], 30)
+    for prompt, n, g in zip(PROMPTS, lengths, late):
+        assert g.ids == greedy_by_hand(sliding, prompt, n)
+
+
 def test_max_batch_size_bounds_rows_in_flight(model):
     async def main():
         async with HFPolicy(model, max_batch_size=2) as policy:
