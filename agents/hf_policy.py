@@ -150,7 +150,7 @@ class HFPolicy(Policy):
         self.pad_token_id = pad_token_id
 
         accepted = inspect.signature(model.forward).parameters
-        if "cache" in accepted:  # transformers >= 5.2x renamed `past_key_values` to `cache`
+        if "cache" in accepted:  # recent transformers (5.24) name it `cache`; 5.17 still says `past_key_values`
             self._cache_arg = "cache"
         elif "past_key_values" in accepted:
             self._cache_arg = "past_key_values"
