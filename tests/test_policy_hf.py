@@ -1,0 +1,473 @@
+"""HFPolicy on a tiny random-init Qwen2 model on CPU: outputs, logprobs, batching, seeds, weight sharing, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from agents.hf_policy import HFPolicy
+from agents.policy import Generation, GenerationError, PolicyError, SamplingParams
+
+VOCAB = 512
+DEVICE = os.environ.get("MT_ENV_TEST_DEVICE", "cpu")  # e.g. "cuda" to run these tests on a GPU
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+
+
+def tiny_model(seed: int = 0, vocab: int = VOCAB) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+    return Qwen2ForCausalLM(config).to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def run(coro, timeout: float = 30):
+    """Run `coro` with a timeout, so a hanging worker fails the test instead of blocking the suite."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def count_forward_passes(model) -> list[int]:
+    calls = [0]
+    handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    calls.append(handle)  # keep the handle so that the test can remove it
+    return calls
+
+
+def greedy_by_hand(model, prompt: list[int], n: int) -> list[int]:
+    """Argmax decoding with full forward passes and no KV cache: the reference the policy must match."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def logprobs_by_hand(model, prompt: list[int], ids: list[int], temperature: float) -> list[float]:
+    """log_softmax(logits / T) of `ids` after `prompt`, from one forward pass over the whole sequence."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids], device=model.device)).logits[0, len(prompt) - 1:-1]
+    scaled = logits.float() / (temperature if temperature > 0 else 1.0)
+    return torch.log_softmax(scaled, -1).gather(1, torch.tensor(ids, device=model.device)[:, None]).squeeze(1).tolist()
+
+
+PROMPTS = [[1, 2, 3, 4], [7] * 9, [300, 5], list(range(20, 37))]
+
+
+# ------------------------------------------------------------------------------------------------- data types
+@pytest.mark.parametrize("bad, field", [
+    (dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=0), "top_k"), (dict(top_k=2.5), "top_k"),
+    (dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(stop_token_ids=[3, -1]), "stop_token_ids"), (dict(stop_token_ids="abc"), "stop_token_ids"),
+    (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"),
+])
+def test_sampling_params_reject_invalid_values(bad, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_normalize_stop_ids():
+    params = SamplingParams(stop_token_ids=[5, 6])
+    assert params.stop_token_ids == (5, 6)
+    assert hash(params) == hash(SamplingParams(stop_token_ids=(5, 6)))
+    assert params.replace(temperature=0).greedy
+
+
+def test_generation_checks_its_fields():
+    with pytest.raises(ValueError, match="logprobs"):
+        Generation([1, 2], [0.0], "stop")
+    with pytest.raises(ValueError, match="finish_reason"):
+        Generation([1], [0.0], "eos")
+
+
+# ------------------------------------------------------------------------------------------------- outputs
+def test_length_is_respected_exactly(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            return await policy.generate([1, 2, 3], SamplingParams(max_new_tokens=7, seed=0))
+
+    g = run(main())
+    assert len(g.ids) == len(g.logprobs) == 7
+    assert g.finish_reason == "length"
+    assert all(lp <= 0 for lp in g.logprobs)
+    assert g.meta["completion_tokens"] == 7 and g.meta["prompt_tokens"] == 3
+
+
+def test_stop_token_is_included_and_ends_generation(model):
+    reference = greedy_by_hand(model, [1, 2, 3, 4], 12)
+    k = next(i for i in range(2, 12) if reference[i] not in reference[:i])  # a stop token first sampled at step k
+    stop = reference[k]
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            return await policy.generate([1, 2, 3, 4], GREEDY.replace(stop_token_ids=(stop, VOCAB - 1)))
+
+    g = run(main())
+    assert g.ids == reference[:k + 1]
+    assert g.ids[-1] == stop and g.finish_reason == "stop"
+    assert len(g.logprobs) == len(g.ids)
+
+
+def test_greedy_equals_argmax_without_cache_for_concurrent_prompts(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            return await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS))
+
+    for prompt, g in zip(PROMPTS, run(main())):
+        assert g.ids == greedy_by_hand(model, prompt, 12)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, max_new_tokens=10, seed=1),
+    SamplingParams(temperature=1.3, max_new_tokens=10, seed=2),
+    SamplingParams(temperature=0, max_new_tokens=10),
+])
+def test_logprobs_equal_a_full_forward_recomputation(model, params):
+    async def main():
+        async with HFPolicy(model) as policy:
+            return await asyncio.gather(*(policy.generate(p, params.replace(seed=i)) for i, p in enumerate(PROMPTS)))
+
+    for prompt, g in zip(PROMPTS, run(main())):
+        expected = logprobs_by_hand(model, prompt, g.ids, params.temperature)
+        assert g.logprobs == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6)])
+def test_extreme_truncation_samples_the_argmax(model, truncation):
+    async def main():
+        async with HFPolicy(model) as policy:
+            return await policy.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3,
+                                                                    **truncation))
+
+    assert run(main()).ids == greedy_by_hand(model, PROMPTS[1], 8)
+
+
+def test_sampling_follows_the_truncated_distribution():
+    peaked = tiny_model(seed=5)
+    with torch.no_grad():
+        peaked.lm_head.weight.mul_(40)  # a few tokens carry most of the mass
+        logits = peaked(input_ids=torch.tensor([PROMPTS[0]], device=DEVICE)).logits[0, -1].float().cpu()
+    top2 = logits.topk(2)
+    p_first = torch.softmax(top2.values, -1)[0].item()  # probability of the argmax after top-k=2 renormalizes
+    n = 400
+
+    async def main():
+        async with HFPolicy(peaked) as policy:
+            params = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=1, seed=0)
+            return await policy.generate_many([PROMPTS[0]] * n, params)
+
+    first = [g.ids[0] for g in run(main())]
+    assert set(first) <= set(top2.indices.tolist())
+    freq = first.count(int(top2.indices[0])) / n
+    assert abs(freq - p_first) < 4 * math.sqrt(p_first * (1 - p_first) / n) + 1e-9
+
+
+def test_context_length_ends_generation_with_length(model):
+    async def main():
+        async with HFPolicy(model, max_context_len=12) as policy:
+            return await policy.generate(list(range(1, 9)), SamplingParams(max_new_tokens=10, seed=0))
+
+    g = run(main())
+    assert len(g.ids) == 4 and g.finish_reason == "length"
+
+
+# ------------------------------------------------------------------------------------------------- batching
+def test_concurrent_requests_share_forward_passes(model):
+    lengths = [2, 4, 6, 8, 10, 12, 14, 16]
+    calls = count_forward_passes(model)
+
+    async def main():
+        async with HFPolicy(model, gather_window_s=0.05) as policy:
+            return await asyncio.gather(*(
+                policy.generate([5 + i] * (3 + i), SamplingParams(max_new_tokens=n, seed=i))
+                for i, n in enumerate(lengths)))
+
+    try:
+        gens = run(main())
+    finally:
+        calls[1].remove()
+    assert [len(g.ids) for g in gens] == lengths
+    # One prefill and one decode step per further token of the longest request, shared by all rows (a straggler
+    # missing the gathering window would add a prefill); one request at a time would need sum(lengths) = 72.
+    assert calls[0] <= max(lengths) + 2
+
+
+def test_short_request_resolves_before_long_one(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            long = asyncio.create_task(policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=80, seed=0)))
+            short = asyncio.create_task(policy.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, seed=1)))
+            g_short = await short
+            long_was_done = long.done()
+            g_long = await long
+            return g_short, long_was_done, g_long
+
+    g_short, long_was_done, g_long = run(main())
+    assert not long_was_done
+    assert len(g_short.ids) == 3 and len(g_long.ids) == 80
+
+
+def test_requests_arriving_mid_batch_join_it_and_decode_correctly(model):
+    """Late requests start at the next step, share the running batch's passes, and their outputs are exactly
+    what argmax decoding without cache gives (for prompts both longer and shorter than the running cache)."""
+    calls = count_forward_passes(model)
+    long_prompt, late_prompts = [3, 1, 4, 1], [list(range(40, 70)), [9, 9]]
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            long = asyncio.create_task(policy.generate(long_prompt, GREEDY.replace(max_new_tokens=60)))
+            while calls[0] < 6:
+                await asyncio.sleep(0.001)
+            late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=4)) for p in late_prompts))
+            long_was_done = long.done()
+            return await long, late, long_was_done
+
+    try:
+        g_long, late, long_was_done = run(main())
+    finally:
+        calls[1].remove()
+    assert not long_was_done
+    assert g_long.ids == greedy_by_hand(model, long_prompt, 60)
+    for prompt, g in zip(late_prompts, late):
+        assert g.ids == greedy_by_hand(model, prompt, 4)
+    assert calls[0] <= 60 + 2  # the late rows cost at most their prefill passes on top of the long request's 60
+
+
+def test_sliding_window_cache_keeps_late_requests_correct():
+    """Caches that cannot be merged (a sliding-window layer) run late requests as a batch of their own."""
+    torch.manual_seed(7)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=128, use_sliding_window=True, sliding_window=6,
+                         max_window_layers=1)
+    sliding = Qwen2ForCausalLM(config).to(DEVICE).eval()
+    lengths = [3, 12, 7, 9]
+
+    async def main():
+        async with HFPolicy(sliding) as policy:
+            long = asyncio.create_task(policy.generate([3, 1, 4, 1], GREEDY.replace(max_new_tokens=30)))
+            await asyncio.sleep(0.01)
+            late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=n))
+                                          for p, n in zip(PROMPTS, lengths)))
+            return await long, late
+
+    long, late = run(main())
+    assert long.ids == greedy_by_hand(sliding, [3, 1, 4, 1], 30)
+    for prompt, n, g in zip(PROMPTS, lengths, late):
+        assert g.ids == greedy_by_hand(sliding, prompt, n)
+
+
+def test_max_batch_size_bounds_rows_in_flight(model):
+    async def main():
+        async with HFPolicy(model, max_batch_size=2) as policy:
+            return await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=5)) for p in PROMPTS))
+
+    for prompt, g in zip(PROMPTS, run(main())):
+        assert g.ids == greedy_by_hand(model, prompt, 5)
+
+
+# ------------------------------------------------------------------------------------------------- seeds
+def test_same_seed_same_tokens_different_seed_different_tokens(model):
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234)
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            alone = await policy.generate(PROMPTS[0], params)
+            together = await asyncio.gather(policy.generate(PROMPTS[0], params), policy.generate(PROMPTS[2], params),
+                                            policy.generate(PROMPTS[0], params))
+            other = await policy.generate(PROMPTS[0], params.replace(seed=99))
+            return alone, together, other
+
+    alone, together, other = run(main())
+    assert together[0].ids == alone.ids and together[2].ids == alone.ids
+    assert other.ids != alone.ids
+
+
+def test_generate_many_gives_a_group_distinct_reproducible_seeds(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            params = SamplingParams(max_new_tokens=12, seed=7)
+            return await policy.generate_many([PROMPTS[0]] * 3, params), await policy.generate_many([PROMPTS[0]] * 3,
+                                                                                                    params)
+
+    first, second = run(main())
+    assert len({tuple(g.ids) for g in first}) == 3
+    assert [g.ids for g in first] == [g.ids for g in second]
+
+
+# ------------------------------------------------------------------------------------------------- weights
+def test_shares_weights_with_the_trainer():
+    model = tiny_model(seed=1).train()
+    weight = model.lm_head.weight
+    pointer = weight.data_ptr()
+    target = 123
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            assert policy.model is model
+            before = await policy.generate(PROMPTS[0], GREEDY)
+            training_after_generation = model.training
+            # One optimizer step that makes `target` likely after every position of the greedy output.
+            optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
+            logits = model(input_ids=torch.tensor([PROMPTS[0] + before.ids], device=DEVICE)).logits[0]
+            loss = -torch.log_softmax(logits, -1)[:, target].mean()
+            loss.backward()
+            optimizer.step()
+            after = await policy.generate(PROMPTS[0], GREEDY)
+            return before, training_after_generation, after
+
+    before, training_after_generation, after = run(main())
+    assert training_after_generation and model.training  # the train/eval state is restored
+    assert weight.data_ptr() == pointer  # updated in place, no copy made
+    model.eval()
+    assert after.ids == greedy_by_hand(model, PROMPTS[0], 12)
+    assert after.ids != before.ids
+
+
+def test_update_weights_copies_named_tensors():
+    model = tiny_model(seed=2)
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            before = await policy.generate(PROMPTS[0], GREEDY)
+            new = {name: torch.randn_like(p) for name, p in model.named_parameters() if "lm_head" in name}
+            await policy.update_weights(new)
+            after = await policy.generate(PROMPTS[0], GREEDY)
+            with pytest.raises(ValueError, match="unknown parameter"):
+                await policy.update_weights({"no.such.weight": torch.zeros(1)})
+            with pytest.raises(NotImplementedError, match="tensors only"):
+                await policy.update_weights(model_path="/some/checkpoint")
+            with pytest.raises(NotImplementedError, match="release"):
+                await policy.release_memory()
+            await policy.flush_cache()  # nothing cached between requests: a no-op
+            return before, after, new
+
+    before, after, new = run(main())
+    assert torch.equal(model.lm_head.weight, new["lm_head.weight"])
+    assert after.ids == greedy_by_hand(model, PROMPTS[0], 12) and after.ids != before.ids
+
+
+# ------------------------------------------------------------------------------------------------- failures
+def test_model_error_fails_every_pending_request_then_recovers():
+    model = tiny_model(seed=3)
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("boom: CUDA out of memory (simulated)")
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            model.forward = broken_forward
+            results = await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS), return_exceptions=True)
+            del model.forward  # the class's forward again
+            recovered = await policy.generate(PROMPTS[0], GREEDY)
+            return results, recovered
+
+    results, recovered = run(main(), timeout=20)
+    assert all(isinstance(r, GenerationError) for r in results)
+    assert "boom" in str(results[0]) and "prefill" in str(results[0])
+    assert recovered.ids == greedy_by_hand(model, PROMPTS[0], 12)
+
+
+def test_error_during_decoding_fails_the_batch_without_hanging():
+    model = tiny_model(seed=4)
+    original, calls = model.forward, [0]
+
+    def fails_on_third_call(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("boom at step 3")
+        return original(*args, **kwargs)
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            model.forward = fails_on_third_call
+            return await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS[:2]), return_exceptions=True)
+
+    results = run(main(), timeout=20)
+    assert all(isinstance(r, GenerationError) and "decoding" in str(r) for r in results)
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([], "empty"), ([1, VOCAB], "outside the vocabulary"), ([-1, 2], "outside the vocabulary"),
+    ([1.0, 2], "integers"), ("hello", "not text"), (list(range(1, 65)), "no room"),
+])
+def test_bad_prompts_are_rejected_clearly(model, prompt, message):
+    async def main():
+        async with HFPolicy(model, max_context_len=64) as policy:
+            await policy.generate(prompt, GREEDY)
+
+    with pytest.raises(ValueError, match=message):
+        run(main())
+
+
+def test_stop_token_outside_vocabulary_is_rejected(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            await policy.generate([1, 2], GREEDY.replace(stop_token_ids=(VOCAB + 5,)))
+
+    with pytest.raises(ValueError, match="stop token"):
+        run(main())
+
+
+def test_close_aborts_running_requests_and_rejects_new_ones(model):
+    calls = count_forward_passes(model)
+
+    async def main():
+        policy = HFPolicy(model)
+        running = asyncio.create_task(policy.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=400)))
+        while calls[0] < 3:
+            await asyncio.sleep(0.001)
+        await policy.close()
+        aborted = await running
+        with pytest.raises(PolicyError, match="closed"):
+            await policy.generate(PROMPTS[0], GREEDY)
+        return aborted, policy
+
+    try:
+        aborted, policy = run(main())
+    finally:
+        calls[1].remove()
+    assert aborted.finish_reason == "abort"
+    assert 0 < len(aborted.ids) < 400 and len(aborted.logprobs) == len(aborted.ids)
+    assert not policy._thread.is_alive()
+
+
+def test_cancelled_request_does_not_disturb_the_others(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            doomed = asyncio.create_task(policy.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=300)))
+            kept = asyncio.create_task(policy.generate(PROMPTS[1], GREEDY))
+            await asyncio.sleep(0.02)
+            doomed.cancel()
+            return await kept
+
+    assert run(main()).ids == greedy_by_hand(model, PROMPTS[1], 12)
+
+
+# ------------------------------------------------------------------------------------------------- integration
+def test_output_feeds_a_conversation(qwen25):
+    """With the real vocabulary: the sampled ids and logprobs go into a Conversation verbatim."""
+    from mt_env.chat_format import ChatFormat
+    from mt_env.conversation import Conversation
+
+    fmt = ChatFormat(qwen25)
+    model = tiny_model(seed=6, vocab=len(qwen25))
+    conversation = Conversation(fmt, [{"role": "user", "content": "What is 2+2?"}])
+
+    async def main():
+        async with HFPolicy(model) as policy:
+            params = SamplingParams(max_new_tokens=6, stop_token_ids=(fmt.end_of_turn_id,), seed=0)
+            return await policy.generate(conversation.context_ids, params)
+
+    g = run(main())
+    turn = conversation.add_assistant(g.ids, g.logprobs, g.finish_reason)
+    assert turn.ids == g.ids and turn.closed == (g.finish_reason == "stop")
+    assert conversation.current.logprobs[-len(g.ids):] == g.logprobs
