@@ -24,7 +24,8 @@ Rewards
 
 Episode end
     ``terminated``: the model answered without a tool call (and no interaction turn follows), or a tool with
-    ``on_error: end_episode`` failed. ``truncated``: the turn limit, the token budget, or an aborted generation.
+    ``on_error: end_episode`` failed. ``truncated``: the turn limit, the token budget, an aborted generation, or a
+    turn cut by its token limit without a tool call (see ``length_cut``).
     Stepping an ended episode raises `gymnasium.error.ResetNeeded`. Tools are released at the end of an episode,
     on `reset` mid-episode and on `close`.
 """
@@ -96,6 +97,8 @@ class ToolEnv(gym.Env):
         strict: run the conversation's drift check when samples are built.
         template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": False}``).
         max_interactions: user follow-up turns (from `interaction`) allowed per episode.
+        length_cut: a turn cut by its token limit with no tool call in it: ``"truncate"`` ends the episode (it never
+            finished its answer); ``"interact"`` treats it like an answer, so `interaction` may ask to go on.
         render_mode: ``"ansi"`` or ``"html"``.
     """
 
@@ -113,8 +116,11 @@ class ToolEnv(gym.Env):
         strict: bool = True,
         template_kwargs: Mapping[str, Any] | None = None,
         max_interactions: int = 0,
+        length_cut: str = "truncate",
         render_mode: str | None = None,
     ):
+        if length_cut not in ("truncate", "interact"):
+            raise ValueError(f"length_cut must be 'truncate' or 'interact', got {length_cut!r}")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}, got {render_mode!r}")
         if max_turns < 1 or max_parallel_tools < 1:
@@ -133,6 +139,7 @@ class ToolEnv(gym.Env):
         self.strict = strict
         self.template_kwargs = dict(template_kwargs or {})
         self.max_interactions = max_interactions
+        self.length_cut = length_cut
         self.render_mode = render_mode
 
         vocab = len(tokenizer) if tokenizer is not None else 1
@@ -304,6 +311,8 @@ class ToolEnv(gym.Env):
                 info["tool_errors"] = errors
                 if any(r.end_episode for r in results):
                     terminated, reason = True, "a tool failed with on_error=end_episode"
+        elif finish == "length" and self.length_cut == "truncate":
+            truncated, reason = True, "turn cut by its token limit"
         else:
             follow = self.interaction(self.task, text) if self.interactions < self.max_interactions else None
             if follow is None:
