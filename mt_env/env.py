@@ -72,6 +72,20 @@ class AnyText(spaces.Text):
         return f"AnyText({self.max_length})"
 
 
+class FinishReason(spaces.Discrete):
+    """The engine's finish reason as an index into ``FINISH_REASONS`` (0 stop, 1 length, 2 abort). `sample` draws
+    turns that ended normally (``stop``) unless given a mask or probabilities: a random policy's turns are complete
+    turns, and length cuts and aborts end an episode at once."""
+
+    def __init__(self, seed=None):
+        super().__init__(len(FINISH_REASONS), seed=seed)
+
+    def sample(self, mask=None, probability=None):
+        if mask is None and probability is None:
+            return np.int64(0)
+        return super().sample(mask=mask, probability=probability)
+
+
 @dataclass
 class ModelTurn:
     """One model turn: sampled ids (verbatim), their logprobs and the engine's finish reason; or text."""
@@ -146,7 +160,7 @@ class ToolEnv(gym.Env):
         self.observation_space = spaces.Dict({"text": AnyText(), "input_ids": spaces.Sequence(spaces.Discrete(vocab))})
         if tokenizer is not None:
             self.action_space = spaces.Dict({"token_ids": spaces.Sequence(spaces.Discrete(vocab)),
-                                             "finish_reason": spaces.Discrete(len(FINISH_REASONS))})
+                                             "finish_reason": FinishReason()})
         else:
             self.action_space = AnyText()
 
