@@ -90,8 +90,7 @@ class CalculatorEnv(ToolEnv):
         numbers = _LAST_INT.findall(final_text.replace(",", ""))
         return 1.0 if numbers and int(numbers[-1]) == task["answer"] else 0.0
 
-    @staticmethod
-    def demonstration(task: Mapping[str, Any], rng: np.random.Generator, skill: float = 1.0) -> list:
+    def demonstration(self, task: Mapping[str, Any], rng: np.random.Generator, skill: float = 1.0) -> list[str]:
         """An expert's turns for `task`: a list of assistant texts and tool results, alternating.
 
         With probability ``1 - skill`` the expert skips the tool and guesses a wrong but plausible number — the

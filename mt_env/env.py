@@ -199,6 +199,10 @@ class ToolEnv(gym.Env):
         """The episode's final reward: by default the tools' ``calc_reward`` plus `answer_reward`."""
         return float(sum(tool_rewards.values())) + float(self.answer_reward(task, final_text))
 
+    def demonstration(self, task: Mapping[str, Any], rng: np.random.Generator, skill: float = 1.0) -> list[str]:
+        """An expert's turns for `task`: assistant texts and tool results, alternating (for SFT warm starts)."""
+        raise NotImplementedError(f"{type(self).__name__} has no demonstrations; SFT warm start needs them")
+
     def success(self, info: Mapping[str, Any]) -> bool:
         """Whether an ended episode counts as solved (for success rates); default: a positive final reward."""
         return float(info.get("final_reward") or 0.0) > 0

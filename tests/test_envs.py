@@ -39,7 +39,7 @@ def gsm8k_dir():
 def play_demo(env, seed=0):
     obs, info = env.reset(seed=seed)
     task = env.unwrapped.task
-    turns = CalculatorEnv.demonstration(task, np.random.default_rng(0))
+    turns = env.unwrapped.demonstration(task, np.random.default_rng(0))
     total = 0.0
     for text in turns[::2]:
         obs, reward, terminated, truncated, info = env.step(text)

@@ -188,6 +188,11 @@ def _check_type(path: str, value: Any, annotation) -> Any:
         raise ConfigError(f"{path}: {value!r} is not a valid {annotation}")
     if annotation is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if annotation in (int, str, bool, dict, list) and isinstance(value, annotation):
         if annotation is int and isinstance(value, bool):
             raise ConfigError(f"{path}: expected an integer, got {value!r}")
@@ -227,8 +232,8 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def validate(cfg: Config) -> Config:
-    """Cross-field checks that types alone cannot express."""
+def validate(cfg: Config, training: bool = True) -> Config:
+    """Cross-field checks that types alone cannot express (`training=False`: only what evaluation uses)."""
     t, r, a = cfg.trainer, cfg.rollout, cfg.algorithm
     positive = {"trainer.total_steps": t.total_steps, "trainer.minibatch_size": t.minibatch_size,
                 "trainer.micro_batch_size": t.micro_batch_size, "trainer.epochs": t.epochs, "rollout.n": r.n,
@@ -239,7 +244,7 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"{path} must be >= 1, got {v}")
     if t.lr <= 0:
         raise ConfigError(f"trainer.lr must be > 0, got {t.lr}")
-    if a.name == "grpo" and r.n < 2:
+    if training and a.name == "grpo" and r.n < 2:
         raise ConfigError("algorithm.name=grpo needs rollout.n >= 2 (a group to normalise against)")
     if a.loss_agg == "seq-mean-token-sum-norm" and not r.max_response_tokens:
         raise ConfigError("seq-mean-token-sum-norm divides by rollout.max_response_tokens, which must be set")
@@ -254,7 +259,7 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, training: bool = True) -> Config:
     """Defaults, then the YAML file at `path`, then ``key.sub=value`` overrides (values parsed as YAML)."""
     tree: dict = {}
     if path is not None:
@@ -269,7 +274,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"--set expects key=value, got {item!r}")
         key, raw = item.split("=", 1)
         _set(tree, key.strip(), yaml.safe_load(raw))
-    return validate(_build(Config, tree))
+    return validate(_build(Config, tree), training)
 
 
 def markdown_reference() -> str:

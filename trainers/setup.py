@@ -1,0 +1,190 @@
+"""Building what `ppo.py` needs from its config: tokenizer, envs and tasks, models, the generation backend.
+
+Kept out of `ppo.py` so the algorithm there reads top to bottom; nothing here is RL.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+import mt_env  # noqa: F401  (registers the envs)
+from mt_env.env import ToolEnv
+from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokenizer
+
+from .config import Config, ConfigError
+from .modeling import build_causal_lm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------- tokenizer
+def make_tokenizer(cfg: Config):
+    """``offline:<family>``, ``task:<env id>`` (a small BPE trained on the env's demonstrations), or a path/hub id."""
+    name = cfg.tokenizer.name
+    if name.startswith("task:"):
+        return task_tokenizer(name.split(":", 1)[1], cfg.env.kwargs)
+    return load_tokenizer(name)
+
+
+def task_tokenizer(env_id: str, env_kwargs: dict | None = None, vocab_size: int = 1000, episodes: int = 300):
+    """A small tokenizer for tiny models trained from scratch on one task: byte-level BPE fitted to rendered
+    demonstration episodes of `env_id` (prompts with the tool schemas, tool calls, tool results, answers)."""
+    env = gym.make(env_id, **{k: v for k, v in (env_kwargs or {}).items() if k != "tokenizer"}).unwrapped
+    render = offline_tokenizer("qwen2.5")  # only its chat template is used, to render the demonstrations as text
+    rng = np.random.default_rng(0)
+    texts = []
+    for _ in range(episodes):
+        task = env.sample_task(rng)
+        messages = env.prompt_messages(task)
+        turns = env.demonstration(task, rng, skill=0.5)
+        for k, text in enumerate(turns):
+            messages.append({"role": "assistant" if k % 2 == 0 else "tool", "content": text})
+        texts.append(render.apply_chat_template(messages, tools=[t.tool_schema for t in env.tools], tokenize=False))
+    env.close()
+    return train_bpe_tokenizer(texts, vocab_size=vocab_size, name=env_id)
+
+
+# --------------------------------------------------------------------------------------------- envs and tasks
+def env_factory(cfg: Config, tokenizer, eval_env: bool = False) -> Callable[[], gym.Env]:
+    kwargs = dict(cfg.env.kwargs)
+    if eval_env:
+        kwargs.update(cfg.env.eval_kwargs)
+    budget = dict(max_prompt_tokens=cfg.rollout.max_prompt_tokens, max_response_tokens=cfg.rollout.max_response_tokens,
+                  max_total_tokens=cfg.rollout.max_total_tokens,
+                  max_observation_tokens=cfg.rollout.max_observation_tokens,
+                  observation_keep=cfg.rollout.observation_keep)
+    kwargs.setdefault("max_turns", cfg.rollout.max_turns)
+    kwargs.setdefault("max_parallel_tools", cfg.rollout.max_parallel_tools)
+    kwargs.setdefault("mode", cfg.rollout.mode)
+    kwargs["budget"] = budget
+    kwargs["tokenizer"] = tokenizer
+    return lambda: gym.make(cfg.env.id, **kwargs)
+
+
+@dataclass
+class TaskSource:
+    """Where training tasks come from, with a position that checkpoints save and restore.
+
+    Dataset-backed envs (with ``rows``): shuffled epochs over the rows. Synthetic envs: tasks drawn from a seeded
+    stream (`sample_task`), disjoint from the evaluation stream by seed.
+    """
+
+    env: ToolEnv
+    seed: int
+    position: int = 0
+    _order: list[int] = field(default_factory=list)
+
+    def next(self, count: int) -> list[dict]:
+        rows = getattr(self.env, "rows", None)
+        out = []
+        for _ in range(count):
+            if rows is not None:
+                epoch, i = divmod(self.position, len(rows))
+                if i == 0 or not self._order:
+                    self._order = list(np.random.default_rng([self.seed, epoch]).permutation(len(rows)))
+                out.append(rows[self._order[i]])
+            else:
+                out.append(self.env.sample_task(np.random.default_rng([self.seed, self.position])))
+            self.position += 1
+        return out
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
+        self._order = []
+
+
+def eval_tasks(cfg: Config, env: ToolEnv) -> list[dict]:
+    """Held-out tasks: the test split of a dataset env (first `eval.episodes` rows from `eval.seed`'s offset), or
+    tasks of a synthetic env drawn from seeds that training never uses."""
+    rows = getattr(env, "rows", None)
+    n = cfg.eval.episodes
+    if rows is not None:
+        start = cfg.eval.seed % len(rows) if len(rows) > n else 0
+        return [rows[(start + i) % len(rows)] for i in range(n)]
+    return [env.sample_task(np.random.default_rng([cfg.eval.seed, 1 << 20, i])) for i in range(n)]
+
+
+# --------------------------------------------------------------------------------------------- models
+def make_models(cfg: Config, tokenizer, device: torch.device):
+    """(policy LM, critic or None). Random init is seeded by `cfg.seed`, so runs repeat. A random-init model gets
+    exactly the tokenizer's vocabulary (padding rows could be sampled and are not tokens)."""
+    from .modeling import CriticModel
+
+    dtype = DTYPES[cfg.model.dtype]
+    vocab = None if cfg.model.path else len(tokenizer)
+    lm = build_causal_lm(path=cfg.model.path, preset=cfg.model.preset, config=cfg.model.config, vocab_size=vocab,
+                         dtype=dtype, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation)
+    if len(tokenizer) > lm.config.vocab_size:
+        raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model only {lm.config.vocab_size}")
+    if cfg.model.gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.config.pad_token_id = tokenizer.pad_token_id
+    lm.to(device)
+    critic = None
+    if cfg.algorithm.name == "ppo":
+        if cfg.model.critic_path:
+            backbone = build_causal_lm(path=cfg.model.critic_path, dtype=dtype)
+            critic = CriticModel(getattr(backbone, backbone.base_model_prefix), backbone.config.hidden_size)
+        else:
+            critic = CriticModel.from_policy(lm)
+        critic.to(device)
+    return lm, critic
+
+
+def frozen_copy(lm: torch.nn.Module) -> torch.nn.Module:
+    ref = copy.deepcopy(lm).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+# --------------------------------------------------------------------------------------------- generation backend
+def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer):
+    """The rollout's `Policy`: the embedded HF backend on the trainer's own module (shared weights, nothing to
+    sync), or an SGLang engine/server (weights synced after each update by `sync_weights`)."""
+    r = cfg.rollout
+    if r.backend == "hf":
+        from agents.hf_policy import HFPolicy
+
+        return HFPolicy(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
+                        **r.engine_kwargs)
+    if r.backend == "sglang_engine":
+        from agents.sglang_policy import SGLangEnginePolicy
+
+        path = cfg.model.path or os.path.join(cfg.output_dir, "weights")
+        if not cfg.model.path:
+            lm.save_pretrained(path)
+            tokenizer.save_pretrained(path)
+        return SGLangEnginePolicy(model_path=path, **r.engine_kwargs)
+    from agents.sglang_policy import SGLangServerPolicy
+
+    return SGLangServerPolicy(r.server_urls, **r.engine_kwargs)
+
+
+async def sync_weights(backend: Any, lm: torch.nn.Module, output_dir: str) -> str:
+    """Push the updated weights to the generation backend; returns what was done (for the log)."""
+    from agents.hf_policy import HFPolicy
+
+    if isinstance(backend, HFPolicy) and backend.model is lm:
+        return "shared module (no copy)"
+    try:
+        await backend.update_weights(named_tensors=[(n, p.detach()) for n, p in lm.named_parameters()])
+        await backend.flush_cache()
+        return "update_weights_from_tensor"
+    except NotImplementedError:
+        path = os.path.join(output_dir, "weights")
+        lm.save_pretrained(path)
+        await backend.update_weights(model_path=path)
+        await backend.flush_cache()
+        return "update_weights_from_disk"

@@ -1,0 +1,122 @@
+"""Metrics out of the trainer: a console line per step, ``metrics.jsonl``, optional TensorBoard / W&B, and the
+reward / success curve PNG at the end of a run."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+#: metric -> short label for the console line, in display order
+CONSOLE = {
+    "rollout/success_rate": "success", "rollout/reward_mean": "reward", "val/success": "val_success",
+    "actor/loss": "pg_loss", "actor/kl_ref": "kl", "actor/entropy": "entropy", "actor/clip_frac": "clip",
+    "actor/grad_norm": "grad", "rollout/turns_mean": "turns", "rollout/tool_call_rate": "tool_rate",
+    "rollout/response_len_mean": "resp_len", "perf/step_s": "step_s",
+}
+
+
+class Tracker:
+    def __init__(self, output_dir: str | Path, config: dict, enabled: bool = True, jsonl: bool = True,
+                 tensorboard: bool = False, wandb: bool = False, wandb_project: str = "mt_env", resume: bool = False):
+        self.dir = Path(output_dir)
+        self.enabled = enabled
+        self.history: list[dict] = []
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        self.start = time.time()
+        if not enabled:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        if jsonl:
+            path = self.dir / "metrics.jsonl"
+            if resume and path.is_file():
+                self.history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            self._jsonl = path.open("a" if resume else "w", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.dir / "tensorboard"))
+        if wandb:
+            import wandb as wb
+
+            self._wandb = wb.init(project=wandb_project, config=config, dir=str(self.dir), resume="allow")
+
+    def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
+        if not self.enabled:
+            return
+        row = {"step": step, "time_s": round(time.time() - self.start, 2),
+               **{k: _clean(v) for k, v in metrics.items()}}
+        self.history.append(row)
+        if self._jsonl:
+            self._jsonl.write(json.dumps(row) + "\n")
+            self._jsonl.flush()
+        if self._tb:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self._tb.add_scalar(k, v, step)
+        if self._wandb:
+            self._wandb.log(row, step=step)
+        if console:
+            parts = [f"step {step:>4}"] + [f"{label} {_fmt(row[k])}" for k, label in CONSOLE.items() if k in row]
+            print(" | ".join(parts), flush=True)
+
+    def message(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+    def plot(self, title: str = "") -> Path | None:
+        """Reward and success curves (training rollouts, and held-out evaluation where logged) as a PNG."""
+        if not self.enabled or not self.history:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        for ax, keys, name in ((axes[0], ("rollout/success_rate", "val/success"), "success rate"),
+                               (axes[1], ("rollout/reward_mean", "val/reward"), "reward")):
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in self.history if key in r]
+                if pts:
+                    xs, ys = zip(*pts)
+                    ax.plot(xs, ys, marker="o" if key.startswith("val") else None, ms=4,
+                            label="held-out eval" if key.startswith("val") else "training rollouts")
+            ax.set_xlabel("RL step")
+            ax.set_ylabel(name)
+            ax.grid(alpha=0.3)
+            ax.legend()
+        axes[0].set_ylim(-0.02, 1.02)
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = self.dir / "curves.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return path
+
+    def close(self) -> None:
+        if self._jsonl:
+            self._jsonl.close()
+        if self._tb:
+            self._tb.close()
+        if self._wandb:
+            self._wandb.finish()
+
+
+def _clean(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    return str(v)
