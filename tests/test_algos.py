@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -154,31 +155,37 @@ def test_tool_tokens_get_exactly_zero_gradient():
     assert bool((lp_sel[target == 0] == 0).all()) and bool((ent[target > 0] > 0).all())
 
 
-def test_packed_logprobs_equal_per_sequence_logprobs():
-    """Packing keeps sequences apart: block-diagonal attention gives the same logprobs as running each alone."""
-    for impl in ("sdpa", "eager"):
-        lm = build_causal_lm(config=TINY, vocab_size=100, attn_implementation=impl).eval()
-        policy = PolicyModel(lm)
-        torch.manual_seed(1)
-        seqs = [torch.randint(0, 100, (n,)) for n in (7, 3, 11)]
-        alone = [policy(s[None], torch.ones(1, len(s)))[0][0] for s in seqs]
-        ids = torch.cat(seqs)[None]
-        pos = torch.cat([torch.arange(len(s)) for s in seqs])[None]
-        seq_ids = torch.cat([torch.full((len(s),), i) for i, s in enumerate(seqs)])[None]
-        target = torch.ones_like(ids, dtype=torch.float)
-        starts = [0, 7, 10]
-        target[0, starts] = 0  # the first token of a sequence has nothing to be predicted from
-        packed, _ = policy(ids, target, position_ids=pos, seq_ids=seq_ids)
-        for s, a, start in zip(seqs, alone, starts):
-            assert torch.allclose(packed[0, start + 1:start + len(s)], a[1:], atol=1e-5), impl
-        # with a plain (all-ones) mask the second sequence sees the first: the check above is not vacuous
+DEVICE = torch.device(os.environ.get("MT_ENV_TEST_DEVICE", "cpu"))
+IMPLEMENTATIONS = ("sdpa", "eager") + (("flex_attention",) if DEVICE.type == "cuda" else ())
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_packed_logprobs_equal_per_sequence_logprobs(impl):
+    """Packing keeps sequences apart: block-diagonal attention gives the same logprobs as running each alone
+    (on CPU; on a GPU with MT_ENV_TEST_DEVICE=cuda, flex_attention's BlockMask too)."""
+    lm = build_causal_lm(config=TINY, vocab_size=100, attn_implementation=impl).to(DEVICE).eval()
+    policy = PolicyModel(lm)
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, 100, (n,)).to(DEVICE) for n in (7, 3, 11)]
+    alone = [policy(s[None], torch.ones(1, len(s), device=DEVICE))[0][0] for s in seqs]
+    ids = torch.cat(seqs)[None]
+    pos = torch.cat([torch.arange(len(s), device=DEVICE) for s in seqs])[None]
+    seq_ids = torch.cat([torch.full((len(s),), i, device=DEVICE) for i, s in enumerate(seqs)])[None]
+    target = torch.ones_like(ids, dtype=torch.float)
+    starts = [0, 7, 10]
+    target[0, starts] = 0  # the first token of a sequence has nothing to be predicted from
+    packed, _ = policy(ids, target, position_ids=pos, seq_ids=seq_ids)
+    for s, a, start in zip(seqs, alone, starts):
+        assert torch.allclose(packed[0, start + 1:start + len(s)], a[1:], atol=1e-5), impl
+    # with a plain (all-ones) mask the second sequence sees the first: the check above is not vacuous
+    if impl != "flex_attention":
         leaky, _ = policy(ids, target, attention_mask=torch.ones_like(ids), position_ids=pos)
         assert not torch.allclose(leaky[0, 8:10], alone[1][1:], atol=1e-3)
-        critic = CriticModel.from_policy(lm)
-        torch.nn.init.normal_(critic.head.weight)
-        v_alone = critic(seqs[1][None], torch.ones(1, 3))[0]
-        v_packed = critic(ids, target, position_ids=pos, seq_ids=seq_ids)[0]
-        assert torch.allclose(v_packed[8:10], v_alone[1:], atol=1e-5)
+    critic = CriticModel.from_policy(lm)
+    torch.nn.init.normal_(critic.head.weight)
+    v_alone = critic(seqs[1][None], torch.ones(1, 3, device=DEVICE))[0]
+    v_packed = critic(ids, target, position_ids=pos, seq_ids=seq_ids)[0]
+    assert torch.allclose(v_packed[8:10], v_alone[1:], atol=1e-5)
 
 
 def test_packed_mask_shape_and_blocks():
