@@ -200,8 +200,9 @@ class RolloutDriver:
             async with asyncio.TaskGroup() as group:
                 for record in records:
                     group.create_task(one(record))
-        except* PolicyError as eg:
-            raise eg.exceptions[0] from None
+        except BaseExceptionGroup as eg:  # a dead policy, or an env that cannot be created: raise it as it is
+            dead = eg.subgroup(PolicyError)
+            raise (dead or eg).exceptions[0] from None
         finally:
             if bar is not None:
                 bar.close()
@@ -214,15 +215,17 @@ class RolloutDriver:
         for env in self._pool:
             env.close()
         self._pool = []
+        self._created = 0
 
     # ----------------------------------------------------------------------------------------- one episode
     async def _acquire(self, free: asyncio.Queue) -> gym.Env:
         if free.empty() and self._created < self.max_concurrency:
-            self._created += 1
             env = self.make_env()
             base = env.unwrapped
             if not isinstance(base, ToolEnv) or base.tokenizer is None:
+                env.close()
                 raise TypeError("the rollout driver needs ToolEnv environments created with a tokenizer")
+            self._created += 1  # counted once it exists: a failed creation must not shrink the pool for good
             return env
         return await free.get()
 
@@ -230,6 +233,7 @@ class RolloutDriver:
                     clock: _Activity) -> None:
         base: ToolEnv = env.unwrapped
         seed = _seed(self.seed, step, record.id)
+        conv = None  # this episode's conversation; until reset succeeds, base.conversation is the previous episode's
         try:
             try:
                 obs, info = await base.areset(seed=seed % 2**31, options={"task": task, "episode": record.id})
@@ -250,6 +254,8 @@ class RolloutDriver:
                 t0 = time.perf_counter()
                 try:
                     gen = await asyncio.wait_for(self.policy.generate(context, params), self.generation_timeout_s)
+                except TimeoutError:
+                    raise _GenerationTimeout(f"generation timed out after {self.generation_timeout_s}s") from None
                 finally:
                     record.generation_s += time.perf_counter() - t0
                     clock.end("generation")
@@ -282,17 +288,19 @@ class RolloutDriver:
         except PolicyError:
             raise
         except Exception as e:  # isolate: this episode fails, the others go on
-            record.error = f"{type(e).__name__}: {e}" if not isinstance(e, TimeoutError) else (
-                f"generation timed out after {self.generation_timeout_s}s")
+            record.error = str(e) if isinstance(e, _GenerationTimeout) else f"{type(e).__name__}: {e}"
             record.enter(EpisodeState.FAILED)
-            conv = base.conversation
-            if conv is not None and conv.turns:
-                conv.strict = False  # the failure may be the drift check itself: keep the tokens, train on none
+            if conv is not None:  # keep its tokens (the prompt at least: the GRPO group stays whole), train on none
+                conv.strict = False  # the failure may be the drift check itself
                 record.samples = conv.samples(trainable=False)
             await base.aabandon()
         finally:
-            if base.conversation is not None:
-                record.messages = base.conversation.messages
+            if conv is not None:
+                record.messages = conv.messages
+
+
+class _GenerationTimeout(Exception):
+    """A generation ran past `generation_timeout_s` (told apart from TimeoutErrors raised inside the env)."""
 
 
 def _seed(base: int, step: int, episode: EpisodeId) -> int:
