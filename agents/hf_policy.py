@@ -121,6 +121,9 @@ class HFPolicy(Policy):
             that reaches it ends with ``"length"``; longer prompts are rejected.
         seed: seeds the generators of requests that come without `SamplingParams.seed`.
         pad_token_id: the id placed in padding positions (masked out; any valid id works).
+        vocab_limit: sample only ids below this (the tokenizer's size when the model's embedding is padded beyond
+            it: padding rows are not tokens). Logprobs are then over those ids — the trainer must use the same
+            limit (`trainers.modeling.PolicyModel` does).
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class HFPolicy(Policy):
         max_context_len: int | None = None,
         seed: int | None = None,
         pad_token_id: int = 0,
+        vocab_limit: int | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
@@ -143,6 +147,10 @@ class HFPolicy(Policy):
         self.max_batch_size = max_batch_size
         self.gather_window_s = gather_window_s
         self.vocab_size = _vocab_size(model)
+        if vocab_limit is not None:
+            if not 0 < vocab_limit <= self.vocab_size:
+                raise ValueError(f"vocab_limit {vocab_limit} must be in (0, {self.vocab_size}]")
+            self.vocab_size = vocab_limit
         config = getattr(model, "config", None)
         self.max_context_len = max_context_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
         if not 0 <= pad_token_id < self.vocab_size:
@@ -382,7 +390,7 @@ class HFPolicy(Policy):
         cache = getattr(out, self._cache_arg, None)
         if cache is None:
             raise GenerationError(f"{type(self.model).__name__} returned no KV cache for use_cache=True")
-        return out.logits[:, -1, :].float(), cache
+        return out.logits[:, -1, :self.vocab_size].float(), cache
 
     def _advance(self, batch: _Batch, tokens: list[int], logprobs: list[float]) -> None:
         """Record each row's new token and retire the rows that are done."""

@@ -156,7 +156,7 @@ def main():
           f"batch sizes {args.batch}; {args.repeats} timed run(s) each")
 
     largest = max(args.batch)
-    policy = HFPolicy(model, max_batch_size=largest, seed=0)
+    policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer))
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
     driver = RolloutDriver(lambda: KeepGoingEnv(tokenizer=tokenizer), policy, sampling, max_concurrency=largest,
                            generation_timeout_s=None, seed=0)

@@ -471,3 +471,29 @@ def test_output_feeds_a_conversation(qwen25):
     turn = conversation.add_assistant(g.ids, g.logprobs, g.finish_reason)
     assert turn.ids == g.ids and turn.closed == (g.finish_reason == "stop")
     assert conversation.current.logprobs[-len(g.ids):] == g.logprobs
+
+
+def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model):
+    """A model whose embedding has more rows than the tokenizer has tokens must never sample a padding row, and its
+    logprobs are over the real tokens only — the same quantity `PolicyModel(vocab_limit=...)` recomputes."""
+    from trainers.modeling import PolicyModel
+
+    limit = 300
+    params = SamplingParams(temperature=1.5, max_new_tokens=40, seed=3)
+
+    async def go():
+        async with HFPolicy(model, vocab_limit=limit) as policy:
+            return await asyncio.gather(*(policy.generate([1, 2, 3, i], params.replace(seed=i)) for i in range(8)))
+
+    gens = run(go())
+    ids = [t for g in gens for t in g.ids]
+    assert max(ids) < limit and len(ids) == 8 * 40  # with 512 rows and T=1.5, ids >= 300 would be common
+    prompt, gen = [1, 2, 3, 0], gens[0]
+    seq = torch.tensor([prompt + gen.ids], device=model.device)
+    target = torch.zeros(seq.shape, device=model.device)
+    target[0, len(prompt):] = 1
+    with torch.no_grad():
+        lp, _ = PolicyModel(model, vocab_limit=limit)(seq, target, temperature=1.5)
+    assert torch.allclose(lp[0, len(prompt):].cpu(), torch.tensor(gen.logprobs), atol=1e-4)
+    with pytest.raises(ValueError, match="vocab_limit"):
+        HFPolicy(model, vocab_limit=VOCAB + 1)

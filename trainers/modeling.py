@@ -98,13 +98,17 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 class PolicyModel(nn.Module):
     """Wraps a Hugging Face causal LM; `forward` returns per-token logprobs (and entropy) at target tokens.
 
+    `vocab_limit`: the policy's action space is the tokenizer's ids; a model whose embedding is padded beyond them
+    (Qwen2.5: 151,936 rows for 151,665 tokens) gets its distribution restricted to them, as the sampler does.
+
     Going through this module's `forward` (rather than reaching into submodules) keeps DDP/FSDP wrapping by
     accelerate correct. `self.lm` is the plain HF model, shared (no copy) with the generation backend.
     """
 
-    def __init__(self, lm: nn.Module):
+    def __init__(self, lm: nn.Module, vocab_limit: int | None = None):
         super().__init__()
         self.lm = lm
+        self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
 
     def forward(self, input_ids, target_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
@@ -115,7 +119,7 @@ class PolicyModel(nn.Module):
             **_attention_kwargs(self.lm.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
         ).last_hidden_state
         predict, targets = _targets(input_ids, target_mask)
-        logits = self.lm.get_output_embeddings()(hidden[:, :-1][predict]).float()
+        logits = self.lm.get_output_embeddings()(hidden[:, :-1][predict])[..., :self.vocab_limit].float()
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)

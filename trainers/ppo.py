@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
     held_out = eval_tasks(cfg, make_eval_env().unwrapped)
 
     lm, critic_model = make_models(cfg, tokenizer, accelerator.device)
-    policy = PolicyModel(lm)
+    policy = PolicyModel(lm, vocab_limit=len(tokenizer))
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
@@ -117,7 +117,8 @@ def main(argv=None) -> dict:
                                    cfg.sft.batch_size, accelerator, tracker, cfg.seed, cfg.sft.time_limit_s)
         tracker.log(0, sft_stats, console=False)
     # the KL reference is the policy as RL starts (after SFT); a checkpoint restores it with everything else
-    reference = frozen_copy(lm) if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0 else None
+    reference = (PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer))
+                 if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0 else None)
     if reference is not None:
         accelerator.register_for_checkpointing(reference)
     if resume_dir is not None:
@@ -175,7 +176,7 @@ def main(argv=None) -> dict:
         update_start = time.perf_counter()
         with torch.no_grad():
             old_lp, _ = forward(policy, data, cfg, layout)
-            ref_lp = forward(reference, data, cfg, layout, plain=True)[0] if reference is not None else None
+            ref_lp = forward(reference, data, cfg, layout)[0] if reference is not None else None
             values = forward(critic, data, cfg, layout, critic=True)[0] if critic is not None else None
         metrics.update(logprob_mismatch(old_lp, data["rollout_lp"], data["target"]))
 
@@ -267,16 +268,12 @@ def to_training_tensors(samples, pad_token_id: int, device) -> dict:
     return {k: v.to(device) for k, v in data.items()}
 
 
-def forward(model, data: dict, cfg: Config, layout: str, rows=None, plain: bool = False, critic: bool = False,
-            with_entropy: bool = False):
+def forward(model, data: dict, cfg: Config, layout: str, rows=None, critic: bool = False, with_entropy: bool = False):
     """Per-token logprobs (and entropy) — or values for the critic — for `rows` of `data`, in micro-batches.
 
-    ``plain=True``: `model` is a bare HF causal LM (the frozen reference), wrapped on the fly. Packed layout: each
-    micro-batch's rows are concatenated without padding and attend block-diagonally; results come back in the
-    padded [rows, L] layout either way.
+    Packed layout: each micro-batch's rows are concatenated without padding and attend block-diagonally; results
+    come back in the padded [rows, L] layout either way.
     """
-    if plain:
-        model = PolicyModel(model)
     rows = torch.arange(data["input_ids"].shape[0], device=data["input_ids"].device) if rows is None else rows
     outs, ents = [], []
     for chunk in rows.split(cfg.trainer.micro_batch_size):

@@ -158,7 +158,7 @@ def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer):
         from agents.hf_policy import HFPolicy
 
         return HFPolicy(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
-                        **r.engine_kwargs)
+                        vocab_limit=len(tokenizer), **r.engine_kwargs)
     if r.backend == "sglang_engine":
         from agents.sglang_policy import SGLangEnginePolicy
 
