@@ -70,7 +70,7 @@ class _Request:
     submitted: float
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: random.Random | None = None  #: the row's own uniform draws (seeded: reproducible samples)
     started: float | None = None
     cancelled: bool = False  #: set by the caller's task when it is cancelled; the worker then drops the row
 
@@ -177,6 +177,9 @@ class HFPolicy(Policy):
         self._batches: list[_Batch] = []
         self._done: list[tuple[_Request, str | BaseException]] = []
         self._restore_training = False
+        #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges that failed, ...
+        self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
+                                      "separate_batches": 0}
         self._thread = threading.Thread(target=self._work, name="HFPolicy-worker", daemon=True)
         self._thread.start()
 
@@ -336,7 +339,10 @@ class HFPolicy(Policy):
             return
         if not batch.rows:
             return
-        if not any(self._merge(running, batch) for running in self._batches):
+        if any(self._merge(running, batch) for running in self._batches):
+            self.stats["merges"] += 1
+        else:
+            self.stats["separate_batches"] += bool(self._batches)  # stepped in turn with another batch
             self._batches.append(batch)
 
     def _prefill(self, requests: list[_Request]) -> _Batch:
@@ -344,8 +350,7 @@ class HFPolicy(Policy):
         now = time.perf_counter()
         for r in requests:
             r.started = now
-            r.generator = torch.Generator(device=device)
-            r.generator.manual_seed(r.params.seed if r.params.seed is not None else self._rng.getrandbits(63))
+            r.generator = random.Random(r.params.seed if r.params.seed is not None else self._rng.getrandbits(63))
         width = max(len(r.prompt) for r in requests)
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt)) + r.prompt for r in requests],
                                  dtype=torch.long, device=device)
@@ -353,6 +358,7 @@ class HFPolicy(Policy):
                             dtype=torch.long, device=device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         logits, cache = self._forward(input_ids, mask, positions, cache=None)
+        self.stats["prefill_passes"] += 1
         tokens, logprobs = self._sample(logits, requests)
         lengths = torch.tensor([len(r.prompt) for r in requests], dtype=torch.long, device=device)
         batch = _Batch(list(requests), cache, mask, lengths)
@@ -363,6 +369,8 @@ class HFPolicy(Policy):
         mask = torch.cat([batch.mask, batch.mask.new_ones((len(batch.rows), 1))], dim=1)
         try:
             logits, batch.cache = self._forward(batch.next_input[:, None], mask, batch.positions[:, None], batch.cache)
+            self.stats["decode_passes"] += 1
+            self.stats["decoded_rows"] += len(batch.rows)
             tokens, logprobs = self._sample(logits, batch.rows)
         except Exception as e:
             self._batches.remove(batch)
@@ -504,10 +512,11 @@ def _draw(probs: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
         rank = torch.arange(vocab, device=probs.device)
         mass_before = probs.cumsum(dim=-1) - probs
         probs = probs * ((rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None]))
-    # Inverse-CDF sampling: one uniform number per row from the row's own generator, no per-row synchronisation.
+    # Inverse-CDF sampling: one uniform number per row from the row's own generator, drawn on the host and sent in
+    # one copy (a device generator per row would cost one kernel launch per row and step).
     cdf_dtype = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = probs.to(cdf_dtype).cumsum(dim=-1)
-    uniform = torch.stack([torch.rand((), generator=r.generator, device=probs.device, dtype=cdf_dtype) for r in rows])
+    uniform = torch.tensor([r.generator.random() for r in rows], dtype=cdf_dtype).to(probs.device, non_blocking=True)
     total = cdf[:, -1]
     target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
     choice = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)

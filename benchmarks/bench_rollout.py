@@ -103,20 +103,25 @@ def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], repeats:
             step: int) -> dict:
     rollout, raw, splits, ends = [], [], [], Counter()
     for r in range(repeats):
+        before = dict(policy.stats)
         start = time.perf_counter()
         result = driver.run(tasks, step=step + r)
         rollout_wall = time.perf_counter() - start
+        rollout_passes = {k: policy.stats[k] - before[k] for k in before}
         bad = [rec for rec in result.episodes if rec.turns != TURNS or rec.error]
         if bad:
             raise RuntimeError(f"{len(bad)} episode(s) did not play {TURNS} turns, e.g. {bad[0].to_dict()}")
         ends.update(rec.end_reason for rec in result.episodes)
         tokens = int(result.metrics["rollout/generated_tokens"])
+        before = dict(policy.stats)
         raw_wall, raw_tokens = asyncio.run(run_raw(policy, turn_work(result), temperature))
+        raw_passes = {k: policy.stats[k] - before[k] for k in before}
         assert raw_tokens == tokens
         rollout.append(tokens / rollout_wall)
         raw.append(raw_tokens / raw_wall)
         splits.append({k: result.metrics[k] for k in ("time/generation_s", "time/tools_s", "time/bookkeeping_s")}
-                      | {"rollout_wall_s": rollout_wall, "raw_wall_s": raw_wall, "tokens": tokens})
+                      | {"rollout_wall_s": rollout_wall, "raw_wall_s": raw_wall, "tokens": tokens,
+                         "rollout_passes": rollout_passes, "raw_passes": raw_passes})
     median = sorted(range(repeats), key=lambda i: rollout[i] / raw[i])[(repeats - 1) // 2]  # the run of median ratio
     figures = splits[median]
     return dict(batch=len(tasks), turns=TURNS, generated_tokens=figures["tokens"],
@@ -124,7 +129,7 @@ def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], repeats:
                 rollout_wall_s=figures["rollout_wall_s"], raw_wall_s=figures["raw_wall_s"],
                 generation_s=figures["time/generation_s"], tools_s=figures["time/tools_s"],
                 bookkeeping_s=figures["time/bookkeeping_s"], ratios=[a / b for a, b in zip(rollout, raw)],
-                end_reasons=dict(ends))
+                end_reasons=dict(ends), rollout_passes=figures["rollout_passes"], raw_passes=figures["raw_passes"])
 
 
 def main():
@@ -181,6 +186,11 @@ def main():
         print(f"{batch:>5} {row['generated_tokens']:>7} {row['rollout_tok_s']:>14,.0f} {row['raw_tok_s']:>10,.0f} "
               f"{row['ratio']:>6.3f}   {row['rollout_wall_s']:>9.2f} {row['raw_wall_s']:>7.2f}   "
               f"{row['generation_s']:>12.2f} {row['tools_s']:>8.3f} {row['bookkeeping_s']:>13.3f}")
+        for name in ("rollout", "raw"):
+            p = row[f"{name}_passes"]
+            print(f"      {name:<7} forward passes: {p['prefill_passes']} prefill, {p['decode_passes']} decode "
+                  f"({p['decoded_rows'] / max(1, p['decode_passes']):.1f} rows each), {p['merges']} merges, "
+                  f"{p['separate_batches']} batches stepped in turn")
     asyncio.run(policy.close())
     driver.close()
 

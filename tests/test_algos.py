@@ -163,7 +163,8 @@ IMPLEMENTATIONS = ("sdpa", "eager") + (("flex_attention",) if DEVICE.type == "cu
 def test_packed_logprobs_equal_per_sequence_logprobs(impl):
     """Packing keeps sequences apart: block-diagonal attention gives the same logprobs as running each alone
     (on CPU; on a GPU with MT_ENV_TEST_DEVICE=cuda, flex_attention's BlockMask too)."""
-    lm = build_causal_lm(config=TINY, vocab_size=100, attn_implementation=impl).to(DEVICE).eval()
+    config = dict(TINY, hidden_size=64)  # head dim 16: the smallest flex_attention compiles for
+    lm = build_causal_lm(config=config, vocab_size=100, attn_implementation=impl).to(DEVICE).eval()
     policy = PolicyModel(lm)
     torch.manual_seed(1)
     seqs = [torch.randint(0, 100, (n,)).to(DEVICE) for n in (7, 3, 11)]

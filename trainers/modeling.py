@@ -148,7 +148,8 @@ class CriticModel(nn.Module):
 
         backbone = copy.deepcopy(getattr(lm, lm.base_model_prefix))
         critic = cls(backbone, lm.config.hidden_size)
-        return critic.to(next(lm.parameters()).dtype)
+        first = next(lm.parameters())
+        return critic.to(device=first.device, dtype=first.dtype)
 
     def forward(self, input_ids, target_mask, attention_mask=None, position_ids=None, seq_ids=None):
         dtype = next(self.backbone.parameters()).dtype
