@@ -311,7 +311,8 @@ def _seed(base: int, step: int, episode: EpisodeId) -> int:
 def _progress_bar(total: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="rollout", unit="ep", leave=False, dynamic_ncols=True)
+    return tqdm(total=total, desc="rollout", unit="ep", leave=False, dynamic_ncols=True, mininterval=1.0,
+                disable=None)  # None: no bar when the output is not a terminal (logs, CI)
 
 
 def _metrics(records: list[EpisodeRecord], wall: float, spent: Counter) -> dict[str, float]:

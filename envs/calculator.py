@@ -93,12 +93,12 @@ class CalculatorEnv(ToolEnv):
     def demonstration(self, task: Mapping[str, Any], rng: np.random.Generator, skill: float = 1.0) -> list[str]:
         """An expert's turns for `task`: a list of assistant texts and tool results, alternating.
 
-        With probability ``1 - skill`` the expert skips the tool and guesses a wrong but plausible number — the
-        deliberately imperfect demonstrations of the quickstart, which SFT imitates and RL must unlearn.
+        With probability ``1 - skill`` the expert skips the tool and estimates — a wrong but plausible number —
+        the deliberately imperfect demonstrations of the quickstart, which SFT imitates and RL must unlearn.
         """
         answer = task["answer"]
         if rng.random() >= skill:
             guess = answer + int(rng.integers(1, 9)) * 10 ** int(rng.integers(0, max(1, len(str(answer)) - 1)))
-            return [f"The answer is {guess}."]
+            return [f"My estimate is {guess}."]
         call = HermesParser.format_turn([ToolCall("calculator", {"expression": task["expression"]})])
         return [call, str(answer), f"The answer is {answer}."]

@@ -70,7 +70,7 @@ class Tracker:
             print(text, flush=True)
 
     def plot(self, title: str = "") -> Path | None:
-        """Reward and success curves (training rollouts, and held-out evaluation where logged) as a PNG."""
+        """Success, tool-use and reward curves (training rollouts, and held-out evaluation where logged) as a PNG."""
         if not self.enabled or not self.history:
             return None
         import matplotlib
@@ -78,9 +78,10 @@ class Tracker:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4))
         for ax, keys, name in ((axes[0], ("rollout/success_rate", "val/success"), "success rate"),
-                               (axes[1], ("rollout/reward_mean", "val/reward"), "reward")):
+                               (axes[1], ("rollout/tool_call_rate", "val/tool_call_rate"), "episodes calling a tool"),
+                               (axes[2], ("rollout/reward_mean", "val/reward"), "reward")):
             for key in keys:
                 pts = [(r["step"], r[key]) for r in self.history if key in r]
                 if pts:
@@ -92,6 +93,7 @@ class Tracker:
             ax.grid(alpha=0.3)
             ax.legend()
         axes[0].set_ylim(-0.02, 1.02)
+        axes[1].set_ylim(-0.02, 1.02)
         fig.suptitle(title)
         fig.tight_layout()
         path = self.dir / "curves.png"
