@@ -36,13 +36,13 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator
-from accelerate.utils import ProjectConfiguration, set_seed
+from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 
 from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
 from mt_env.batch import pad_samples
 from trainers import algos
-from trainers.config import Config, load_config
+from trainers.config import Config, ConfigError, load_config
 from trainers.modeling import CriticModel, PolicyModel
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, make_backend, make_models,
                             make_tokenizer, sync_weights)
@@ -80,6 +80,9 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(cpu=cpu, project_config=ProjectConfiguration(
         project_dir=str(out), automatic_checkpoint_naming=True, total_limit=cfg.trainer.keep_last))
     rank, world = accelerator.process_index, accelerator.num_processes
+    if accelerator.distributed_type == DistributedType.FSDP and cfg.rollout.backend == "hf":
+        raise ConfigError("FSDP shards the policy, and the embedded HF backend generates on the trainer's own module: "
+                          "use rollout.backend=sglang_engine or sglang_server with FSDP (or DDP with the HF backend)")
     set_seed(cfg.seed, device_specific=False)
     resume_dir = _resume_dir(cfg, out)
     tracker = Tracker(out, cfg.to_dict(), enabled=accelerator.is_main_process, jsonl=cfg.logging.jsonl,
