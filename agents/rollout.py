@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import gymnasium as gym
 
@@ -37,7 +37,7 @@ from mt_env.errors import BudgetError
 from .policy import Policy, PolicyError, SamplingParams
 
 
-class EpisodeState(str, enum.Enum):
+class EpisodeState(enum.StrEnum):
     PENDING = "pending"
     RUNNING = "running"
     TOOL_CALLING = "tool_calling"
@@ -282,7 +282,10 @@ class RolloutDriver:
                     record.end_reason = info.get("end_reason")
                     record.enter(EpisodeState.COMPLETED if terminated else EpisodeState.TRUNCATED)
                     break
-                context = list(obs["input_ids"]) if info.get("replace_context") else context + gen.ids + list(obs["input_ids"])
+                if info.get("replace_context"):  # per-turn mode: the template re-rendered the whole history
+                    context = list(obs["input_ids"])
+                else:
+                    context = context + gen.ids + list(obs["input_ids"])
                 record.enter(EpisodeState.RUNNING)
             record.samples = conv.samples()
         except PolicyError:
@@ -332,7 +335,8 @@ def _metrics(records: list[EpisodeRecord], wall: float, spent: Counter) -> dict[
         "rollout/episodes": len(records),
         "rollout/completed": states.get("completed", 0),
         "rollout/truncated": states.get("truncated", 0),
-        "rollout/failed": sum(1 for r in records if r.state == EpisodeState.FAILED and not (r.error or "").startswith("skipped")),
+        "rollout/failed": sum(1 for r in records
+                              if r.state == EpisodeState.FAILED and not (r.error or "").startswith("skipped")),
         "rollout/skipped": sum(1 for r in records if (r.error or "").startswith("skipped")),
         "rollout/success_rate": mean(r.success for r in ok),
         "rollout/reward_mean": mean(rewards),

@@ -76,7 +76,8 @@ def envs_rows(envs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--data", default=os.environ.get("MT_ENV_GSM8K", str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k")))
+    default_data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k")
+    ap.add_argument("--data", default=os.environ.get("MT_ENV_GSM8K", default_data))
     ap.add_argument("--episodes", type=int, default=8, help="episodes per env (each 3 steps)")
     args = ap.parse_args()
     print(f"GSM8kTool-v0, data {args.data}; {args.episodes} episodes x 3 steps per env; cpu threads: "

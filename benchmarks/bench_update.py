@@ -145,7 +145,7 @@ def main():
     n = args.batch * 4
     long = torch.rand(n, generator=g) < 0.1  # a few long multi-turn episodes, many short ones
     prompt = [int(x) for x in torch.randint(100, 200, (n,), generator=g)]
-    response = [int(torch.randint(1200, 1800, (1,), generator=g)) if lg else int(torch.randint(60, 300, (1,), generator=g))
+    response = [int(torch.randint(1200, 1800, (1,), generator=g) if lg else torch.randint(60, 300, (1,), generator=g))
                 for lg in long]
     multi = batch_from_lengths(prompt, response, vocab, device, seed=2)
     real = int(multi["attention_mask"].sum())
@@ -157,7 +157,8 @@ def main():
         lm.config._attn_implementation = attn
         cfg_l = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}", f"trainer.minibatch_size={n}",
                                                "rollout.max_response_tokens=2048", "algorithm.kl_mode=none"])
-        t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg_l, multi, layout), device, 1, max(2, args.iters // 2))
+        t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg_l, multi, layout), device, 1,
+                  max(2, args.iters // 2))
         results[f"{layout}/{attn}"] = real / t
         print(f"  {layout:<6} ({attn:<14}): {real / t:>10,.0f} real tok/s  ({t * 1e3:.0f} ms/step)")
     lm.config._attn_implementation = "sdpa"

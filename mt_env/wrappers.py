@@ -117,7 +117,8 @@ class _ReplayBox:
         try:
             recorded = next(self._steps)["tool_results"]
         except StopIteration:
-            raise MtEnvError("replay ran past the recorded tool calls: the model turns differ from the recording")
+            raise MtEnvError(
+                "replay ran past the recorded tool calls: the model turns differ from the recording") from None
         if len(recorded) != len(calls):
             raise MtEnvError(f"replay expected {len(recorded)} tool calls at this step, got {len(calls)}")
         self.counts["calls"] += len(recorded)

@@ -15,7 +15,8 @@ SHARED = Path(os.environ.get("MT_ENV_SHARED", ROOT.parent / "shared"))
 SHARED_TOKENIZERS = SHARED / "tokenizers"
 SHARED_GSM8K = SHARED / "data" / "gsm8k"
 
-_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], derandomize=False)
+_common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+               derandomize=False)
 settings.register_profile("ci", max_examples=500, **_common)
 settings.register_profile("dev", max_examples=100, **_common)
 settings.register_profile("slow", max_examples=5000, **_common)

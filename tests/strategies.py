@@ -19,7 +19,8 @@ _core = st.one_of(
     st.text(_chars, max_size=30),
     st.text(st.sampled_from("abc xyz 0123456789.,!?é\u0301日本\n"), max_size=40),
 )
-plain_text = st.builds(lambda a, b, c: a + b + c, st.sampled_from(EDGE_WHITESPACE), _core, st.sampled_from(EDGE_WHITESPACE))
+_edges = st.sampled_from(EDGE_WHITESPACE)
+plain_text = st.builds(lambda a, b, c: a + b + c, _edges, _core, _edges)
 
 
 def _no_control(text: str) -> str:

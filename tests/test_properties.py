@@ -148,8 +148,9 @@ def test_padding_and_packing_round_trip(fmt, plans):
 )
 def test_budgets_hold(fmt, plan, max_response, slack, max_obs, keep):
     prompt_len = Conversation(fmt, plan.prompt).prompt_len
-    budget = TokenBudget(max_response_tokens=max_response, max_total_tokens=None if slack is None else prompt_len + slack,
-                         max_observation_tokens=max_obs, observation_keep=keep)
+    max_total = None if slack is None else prompt_len + slack
+    budget = TokenBudget(max_response_tokens=max_response, max_total_tokens=max_total, max_observation_tokens=max_obs,
+                         observation_keep=keep)
     conv = play(fmt, plan, budget=budget)
     for sample in conv.samples_:
         assert len(sample.ids) - conv.prompt_len <= (max_response if max_response is not None else 10**9)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from mt_env.errors import ToolConfigError, ToolError, TransientToolError
-from mt_env.parsers import ParseError, ToolCall, get_parser
+from mt_env.parsers import ToolCall, get_parser
 from mt_env.tools import BaseTool, ToolBox, ToolResponse
 
 

@@ -267,7 +267,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file() and (CONFIG_DIR / p).is_file():
             p = CONFIG_DIR / p
         if not p.is_file():
-            raise ConfigError(f"config file {path} not found (bundled configs: {sorted(x.name for x in CONFIG_DIR.glob('*.yaml'))})")
+            bundled = sorted(x.name for x in CONFIG_DIR.glob("*.yaml"))
+            raise ConfigError(f"config file {path} not found (bundled configs: {bundled})")
         tree = yaml.safe_load(p.read_text()) or {}
     for item in overrides or []:
         if "=" not in item:
@@ -302,7 +303,9 @@ def markdown_reference() -> str:
                 continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             choices = _CHOICES.get(prefix + f.name)
-            doc = docs.get(f.name, "") + (f" Choices: {', '.join(choices)}." if choices and "|" not in docs.get(f.name, "") else "")
+            doc = docs.get(f.name, "")
+            if choices and "|" not in doc:
+                doc += f" Choices: {', '.join(choices)}."
             rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {doc} |")
         return rows
 
@@ -310,7 +313,8 @@ def markdown_reference() -> str:
     for f in dataclasses.fields(Config):
         t = typing.get_type_hints(Config)[f.name]
         if dataclasses.is_dataclass(t):
-            lines += [f"## {f.name}", "", (t.__doc__ or "").strip() if t.__doc__ and not t.__doc__.startswith(t.__name__ + "(") else "",
+            intro = (t.__doc__ or "").strip() if t.__doc__ and not t.__doc__.startswith(t.__name__ + "(") else ""
+            lines += [f"## {f.name}", "", intro,
                       "| key | default | meaning |", "|---|---|---|", *section(t, f"{f.name}."), ""]
     return "\n".join(lines)
 

@@ -43,7 +43,7 @@ from agents.rollout import RolloutDriver
 from mt_env.batch import pad_samples
 from trainers import algos
 from trainers.config import Config, ConfigError, load_config
-from trainers.modeling import CriticModel, PolicyModel
+from trainers.modeling import PolicyModel
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, make_backend, make_models,
                             make_tokenizer, sync_weights)
 from trainers.sft import demonstration_samples, sft_warm_start
@@ -115,7 +115,8 @@ def main(argv=None) -> dict:
         demo_tasks = TaskSource(probe_env, seed=cfg.seed + 1).next(min(4096, cfg.sft.steps * cfg.sft.batch_size))
         samples = demonstration_samples(make_env, demo_tasks, cfg.sft.demo_skill, cfg.seed)
         sft_optimizer = accelerator.prepare(torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr))
-        tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), {cfg.sft.steps} steps")
+        tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), "
+                        f"{cfg.sft.steps} steps")
         sft_stats = sft_warm_start(policy, sft_optimizer, samples, tokenizer.pad_token_id, cfg.sft.steps,
                                    cfg.sft.batch_size, accelerator, tracker, cfg.seed, cfg.sft.time_limit_s)
         tracker.log(0, sft_stats, console=False)
