@@ -77,7 +77,8 @@ def main(argv=None) -> dict:
     for e in episodes:
         solved[e.id.group] = solved.get(e.id.group, False) or e.success
     summary = {
-        "episodes": len(episodes), "failed": len(episodes) - len(played),
+        "episodes": len(episodes), "failed": int(result.metrics["rollout/failed"]),
+        "skipped (prompt over budget)": int(result.metrics["rollout/skipped"]),
         "success": float(np.mean([e.success for e in played])) if played else 0.0,
         f"pass@{args.samples}": float(np.mean(list(solved.values()))),
         "reward": float(np.mean([e.total_reward for e in played])) if played else 0.0,
