@@ -144,7 +144,8 @@ def read_rows(path: str | os.PathLike | None = None, split: str = "train") -> li
 
             records = pd.read_parquet(p).to_dict("records")
         else:
-            records = [json.loads(line) for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+            with p.open(encoding="utf-8") as f:  # not str.splitlines(): U+2028 inside a string is not a line end
+                records = [json.loads(line) for line in f if line.strip()]
     else:
         if os.environ.get("HF_DATASETS_OFFLINE") == "1" or os.environ.get("HF_HUB_OFFLINE") == "1":
             raise MtEnvError(f"no GSM8K data and the Hugging Face hub is offline: pass data_path= (a jsonl/parquet "
@@ -159,6 +160,12 @@ def read_rows(path: str | os.PathLike | None = None, split: str = "train") -> li
                 f"set ${DATA_ENV_VAR}, or allow downloading openai/gsm8k from the Hugging Face hub ({e})"
             ) from e
     rows = [r if "prompt" in r else make_row(r["question"], r["answer"], i, split) for i, r in enumerate(records)]
+    splits = {(r.get("extra_info") or {}).get("split") for r in rows}
+    if split in splits:  # a prepared file that holds several splits: keep the one asked for
+        rows = [r for r in rows if (r.get("extra_info") or {}).get("split") == split]
+    elif splits - {None, split}:
+        raise MtEnvError(f"the GSM8K rows at {path} are from split(s) {sorted(s for s in splits if s)}, not {split!r}: "
+                         f"point data_path at the {split} data (e.g. env.eval_kwargs.data_path for evaluation)")
     if not rows:
         raise MtEnvError(f"the GSM8K {split} data at {path or 'openai/gsm8k'} is empty")
     return rows

@@ -395,11 +395,13 @@ class Conversation:
         return empty if measure(empty) <= limit else None
 
     def _cut_text(self, text: str, n_tokens: int, keep: int) -> str:
+        """`text` cut to about `keep` tokens by the budget's policy, a marker saying how many were removed."""
         if keep >= n_tokens:
             return text
         ids = self.fmt.encode(text)
-        marker = f"[... {n_tokens - keep} tokens cut ...]"
-        keep = max(0, keep - len(self.fmt.encode(marker)))
+        marker_len = len(self.fmt.encode(f"[... {n_tokens} tokens cut ...]"))
+        keep = max(0, keep - marker_len)
+        marker = f"[... {len(ids) - keep} tokens cut ...]"
         policy = self.budget.observation_keep
         if policy == "head":
             return self.fmt.decode(ids[:keep]) + marker

@@ -90,7 +90,8 @@ class RecordEpisodes(gym.Wrapper):
 
 
 def load_episodes(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    with Path(path).open(encoding="utf-8") as f:  # not str.splitlines(): U+2028 in a string is not a line end
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def episode_actions(episode: Mapping[str, Any]) -> Iterator[ModelTurn]:

@@ -78,6 +78,22 @@ def test_aggregation_modes():
         aggregate(loss, mask, "mean")
 
 
+def test_shard_losses_with_global_normalisers_average_to_the_global_loss():
+    """What DDP does: each process normalises its shard by (global count / processes), the gradients are averaged —
+    equal to the gradient of the loss of the whole mini-batch, for every aggregation mode."""
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, requires_grad=True)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    mask[3] = 0  # a sequence with no trainable token
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        whole = torch.autograd.grad(aggregate(x**2, mask, mode), x)[0]
+        world = 2
+        norms = {"norm_tokens": mask.sum() / world, "norm_seqs": (mask.sum(-1) > 0).sum() / world}
+        shards = [slice(0, 4), slice(4, 6)]  # unequal shares
+        grads = [torch.autograd.grad(aggregate(x[s] ** 2, mask[s], mode, **norms), x)[0] for s in shards]
+        assert torch.allclose(sum(grads) / world, whole, atol=1e-6), mode
+
+
 def test_dual_clip_bounds_negative_advantage_loss():
     old = torch.zeros(1, 3)
     new = torch.log(torch.tensor([[10.0, 1.0, 0.1]]))  # ratios 10, 1, 0.1

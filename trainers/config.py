@@ -30,7 +30,7 @@ class ModelConfig:
     path: str | None = None  #: Hugging Face model id or local directory (pretrained weights)
     preset: str | None = None  #: random-init architecture preset: qwen2.5-0.5b, qwen2.5-3b (no weights needed)
     config: dict = field(default_factory=dict)  #: Qwen2Config overrides for random init (e.g. hidden_size)
-    dtype: str = "float32"  #: float32 | bfloat16 (weights and compute)
+    dtype: str = "float32"  #: float32 | bfloat16 | float16 (weights and compute)
     attn_implementation: str = "sdpa"  #: sdpa | eager | flex_attention
     gradient_checkpointing: bool = False  #: recompute activations in backward to save memory
     critic_path: str | None = None  #: PPO critic weights; default: initialised from the policy
@@ -38,13 +38,13 @@ class ModelConfig:
 
 @dataclass
 class TokenizerConfig:
-    name: str = "offline:qwen2.5"  #: offline:<qwen2.5|qwen3|llama3.1>, calculator (the quickstart's own), or a path
+    name: str = "offline:qwen2.5"  #: offline:<qwen2.5|qwen3|llama3.1>, task:<env id> (a small BPE), a path or hub id
 
 
 @dataclass
 class EnvConfig:
     id: str = "Calculator-v0"  #: a registered Gymnasium id (GSM8kTool-v0, Calculator-v0, ...)
-    kwargs: dict = field(default_factory=dict)  #: keyword arguments for gym.make (data paths, tool config, ...)
+    kwargs: dict = field(default_factory=dict)  #: keyword arguments for gym.make (e.g. data_path, split, max_turns)
     eval_kwargs: dict = field(default_factory=dict)  #: overrides for the evaluation env (e.g. split: test)
 
 
@@ -52,7 +52,7 @@ class EnvConfig:
 class RolloutConfig:
     backend: str = "hf"  #: hf (embedded transformers) | sglang_engine | sglang_server
     server_urls: list = field(default_factory=list)  #: sglang_server: URLs of running servers (or one router)
-    prompts_per_step: int = 16  #: distinct tasks per training step
+    prompts_per_step: int = 16  #: distinct tasks per training step, over all processes
     n: int = 4  #: samples per task (the GRPO group size)
     max_turns: int = 5  #: assistant turns per episode
     max_parallel_tools: int = 4  #: tool calls run at once within one turn
@@ -67,7 +67,7 @@ class RolloutConfig:
     observation_keep: str = "head"  #: head | tail | middle
     mode: str = "auto"  #: conversation mode: auto | incremental | per_turn
     max_batch_size: int = 256  #: hf backend: requests per forward pass
-    engine_kwargs: dict = field(default_factory=dict)  #: extra arguments for the generation backend
+    engine_kwargs: dict = field(default_factory=dict)  #: extra arguments for sglang.Engine / the server client
 
 
 @dataclass
@@ -99,8 +99,8 @@ class TrainerConfig:
     lr_schedule: str = "constant"  #: constant | linear | cosine (after warmup)
     warmup_steps: int = 0
     epochs: int = 1  #: passes over each rollout batch
-    minibatch_size: int = 64  #: sequences per optimizer step
-    micro_batch_size: int = 8  #: sequences per forward/backward (gradient accumulation inside a mini-batch)
+    minibatch_size: int = 64  #: sequences per optimizer step, over all processes
+    micro_batch_size: int = 8  #: sequences per forward/backward on each process (gradient accumulation)
     max_grad_norm: float = 1.0
     packed: bool = False  #: padding-free batches (block-diagonal attention)
     eval_every: int = 10  #: steps between evaluations (0: only at the end)
@@ -134,13 +134,13 @@ class LoggingConfig:
     wandb: bool = False
     wandb_project: str = "mt_env"
     plot: bool = True  #: reward/success curve PNG at the end
-    progress: bool = True  #: progress bars during rollouts
+    progress: bool = True  #: a progress bar during rollouts (shown on terminals only)
 
 
 @dataclass
 class Config:
-    seed: int = 0
-    output_dir: str = "runs/default"
+    seed: int = 0  #: seeds models (random init), task streams, sampling and shuffling
+    output_dir: str = "runs/default"  #: metrics.jsonl, curves.png, config.json and checkpoints go here
     device: str = "auto"  #: auto | cpu | cuda
     threads: int | None = None  #: torch CPU threads (None: torch's default)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -250,6 +250,9 @@ def validate(cfg: Config, training: bool = True) -> Config:
         raise ConfigError("seq-mean-token-sum-norm divides by rollout.max_response_tokens, which must be set")
     if a.dual_clip is not None and a.dual_clip <= 1:
         raise ConfigError(f"algorithm.dual_clip must be > 1 (or null), got {a.dual_clip}")
+    if a.kl_mode == "reward" and a.name == "grpo":
+        raise ConfigError("algorithm.kl_mode=reward has no effect on GRPO (its advantages use episode returns): "
+                          "use kl_mode=loss with GRPO, or algorithm.name=ppo")
     if r.backend == "sglang_server" and not r.server_urls:
         raise ConfigError("rollout.backend=sglang_server needs rollout.server_urls")
     if not (cfg.model.path or cfg.model.preset or cfg.model.config):
@@ -306,7 +309,8 @@ def markdown_reference() -> str:
             doc = docs.get(f.name, "")
             if choices and "|" not in doc:
                 doc += f" Choices: {', '.join(choices)}."
-            rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {doc} |")
+            cell = doc.replace("|", "\\|")
+            rows.append(f"| `{prefix}{f.name}` | `{default!r}` | {cell} |")
         return rows
 
     lines += ["## top level", "", "| key | default | meaning |", "|---|---|---|", *section(Config, ""), ""]
@@ -316,7 +320,10 @@ def markdown_reference() -> str:
             intro = (t.__doc__ or "").strip() if t.__doc__ and not t.__doc__.startswith(t.__name__ + "(") else ""
             lines += [f"## {f.name}", "", intro,
                       "| key | default | meaning |", "|---|---|---|", *section(t, f"{f.name}."), ""]
-    return "\n".join(lines)
+    text = "\n".join(lines)
+    while "\n\n\n" in text:
+        text = text.replace("\n\n\n", "\n\n")
+    return text
 
 
 if __name__ == "__main__":

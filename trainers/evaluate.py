@@ -65,7 +65,7 @@ def main(argv=None) -> dict:
         _load_policy_weights(lm, Path(args.checkpoint))
     make_eval_env = env_factory(cfg, tokenizer, eval_env=True)
     tasks = eval_tasks(cfg, make_eval_env().unwrapped)
-    backend = make_backend(cfg, lm, tokenizer)
+    backend = make_backend(cfg, lm, tokenizer, weights_changed=args.checkpoint is not None)
     sampling = SamplingParams(temperature=args.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.eval.seed, progress=True,

@@ -80,6 +80,10 @@ def main(argv=None) -> dict:
     accelerator = Accelerator(cpu=cpu, project_config=ProjectConfiguration(
         project_dir=str(out), automatic_checkpoint_naming=True, total_limit=cfg.trainer.keep_last))
     rank, world = accelerator.process_index, accelerator.num_processes
+    for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+                        ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
+        if value % world:
+            raise ConfigError(f"{name}={value} is a global size: it must divide by the {world} processes")
     if accelerator.distributed_type == DistributedType.FSDP and cfg.rollout.backend == "hf":
         raise ConfigError("FSDP shards the policy, and the embedded HF backend generates on the trainer's own module: "
                           "use rollout.backend=sglang_engine or sglang_server with FSDP (or DDP with the HF backend)")
@@ -130,11 +134,13 @@ def main(argv=None) -> dict:
         accelerator.project_configuration.iteration = int(resume_dir.name.rsplit("_", 1)[-1]) + 1  # next checkpoint
         tracker.message(f"resumed from {resume_dir} at step {state.step}")
 
-    backend = make_backend(cfg, lm, tokenizer)
+    weights_changed = bool(cfg.sft.steps) or resume_dir is not None or not cfg.model.path
+    backend = make_backend(cfg, lm, tokenizer, weights_changed, accelerator.local_process_index)
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
-    driver = RolloutDriver(make_env, backend, sampling, seed=cfg.seed * 1000 + rank, progress=False,
-                           max_concurrency=cfg.rollout.prompts_per_step * cfg.rollout.n)
+    driver = RolloutDriver(make_env, backend, sampling, seed=cfg.seed * 1000 + rank,
+                           progress=cfg.logging.progress and accelerator.is_main_process,
+                           max_concurrency=cfg.rollout.prompts_per_step // world * cfg.rollout.n)
     eval_driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.seed * 1000 + 500 + rank,
                                 max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
     layout = "packed" if cfg.trainer.packed else "padded"
@@ -157,8 +163,8 @@ def main(argv=None) -> dict:
         step_start = time.perf_counter()
         step = state.step + 1
 
-        # 1. ROLLOUT: each process plays its share of the tasks, n samples each (a GRPO group per task)
-        batch_tasks = tasks.next(cfg.rollout.prompts_per_step * world)[rank::world]
+        # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
+        batch_tasks = tasks.next(cfg.rollout.prompts_per_step)[rank::world]
         result = driver.run(batch_tasks, n=cfg.rollout.n, step=step)
         rollout_s = time.perf_counter() - step_start
         samples = result.samples
@@ -213,7 +219,10 @@ def main(argv=None) -> dict:
                               old_lp, ref_lp, values, advantages, returns, step)
         scheduler.step()
         update_s = time.perf_counter() - update_start
-        sync = asyncio.run(sync_weights(backend, lm, str(out)))
+        sync = "synced by the main process"
+        if cfg.rollout.backend != "sglang_server" or accelerator.is_main_process:  # servers are shared: sync once
+            sync = asyncio.run(sync_weights(backend, lm, str(out)))
+        accelerator.wait_for_everyone()
 
         # 6. LOG, EVALUATE, CHECKPOINT
         state.step = step
@@ -222,6 +231,7 @@ def main(argv=None) -> dict:
             "perf/step_s": time.perf_counter() - step_start, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
             "perf/update_tokens_per_s": float(data["attention_mask"].sum()) * cfg.trainer.epochs / max(update_s, 1e-9),
             "perf/elapsed_s": time.perf_counter() - run_start, "actor/lr": scheduler.get_last_lr()[0],
+            "dist/processes": world,
         })
         metrics = reduce_metrics(accelerator, metrics)
         tracker.log(step, metrics)
@@ -314,12 +324,12 @@ def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config
     """The masked, clipped PPO update: `epochs` passes of mini-batches, each accumulated over micro-batches.
 
     Normalisers (sampled tokens, sequences) are those of the whole mini-batch across processes, so that micro-batch
-    losses add up to the mini-batch loss and the gradient DDP averages is the global token-mean's gradient."""
+    losses add up to the mini-batch loss and the gradient DDP averages is the gradient of the global loss."""
     a, t = cfg.algorithm, cfg.trainer
     B = data["input_ids"].shape[0]
-    n_mini = max(1, math.ceil(B / t.minibatch_size))
-    n_mini = int(_global_max(accelerator, n_mini))
     world = accelerator.num_processes
+    n_mini = max(1, math.ceil(B / (t.minibatch_size // world)))  # minibatch_size is global
+    n_mini = int(_global_max(accelerator, n_mini))
     policy.train()
     stats: dict[str, list] = {}
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
@@ -328,6 +338,8 @@ def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config
         order = torch.randperm(B, generator=generator).to(data["input_ids"].device)
         for mb_rows in order.tensor_split(n_mini):
             target = data["target"][mb_rows]
+            # each process divides its share by (global count / processes); DDP then averages the gradients: the
+            # result is exactly the gradient of the global mini-batch loss
             norms = {"norm_tokens": _global_sum(accelerator, target.sum()) / world,
                      "norm_seqs": _global_sum(accelerator, (target.sum(-1) > 0).sum()) / world, "constant": constant}
             micro = list(mb_rows.split(t.micro_batch_size)) or [mb_rows]
@@ -367,7 +379,7 @@ def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config
                             _add(stats, key, v)
                     if not torch.isfinite(loss):
                         bad = True
-                    accelerator.backward(loss * world)  # DDP averages gradients over processes: undo it
+                    accelerator.backward(loss)
                 _add(stats, "actor/loss", pg.item() * len(micro))
                 for key, v in pg_stats.items():
                     _add(stats, key, v)
@@ -424,14 +436,25 @@ def logprob_mismatch(trainer_lp, rollout_lp, target) -> dict:
             "mismatch/ratio_min": ratio.min().item()}
 
 
+#: metrics that count things: summed over processes (everything else is averaged)
+COUNT_PREFIXES = ("rollout/episodes", "rollout/completed", "rollout/truncated", "rollout/failed", "rollout/skipped",
+                  "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "rollout/finish_",
+                  "rollout/end/", "val/failed", "grpo/groups", "grpo/zero_variance_groups")
+
+
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Mean over processes (sums for counts would need care; the rollout's counts are per process × world)."""
+    """Combine the processes' metrics: counts are summed, the rest averaged. Processes may report different keys
+    (e.g. episode end reasons), so the dicts are gathered as objects, not as one tensor."""
     if accelerator.num_processes == 1:
         return metrics
-    keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], device=accelerator.device)
-    values = accelerator.reduce(values, reduction="mean")
-    return dict(zip(keys, values.tolist()))
+    from accelerate.utils import gather_object
+
+    everyone = gather_object([metrics])
+    out = {}
+    for key in sorted({k for d in everyone for k in d}):
+        values = [float(d[key]) for d in everyone if key in d]
+        out[key] = sum(values) if key.startswith(COUNT_PREFIXES) else sum(values) / len(values)
+    return out
 
 
 def _add(stats: dict, key: str, value: float) -> None:

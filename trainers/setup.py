@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,23 +151,29 @@ def frozen_copy(lm: torch.nn.Module) -> torch.nn.Module:
 
 
 # --------------------------------------------------------------------------------------------- generation backend
-def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer):
+def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer, weights_changed: bool = False, local_rank: int = 0):
     """The rollout's `Policy`: the embedded HF backend on the trainer's own module (shared weights, nothing to
-    sync), or an SGLang engine/server (weights synced after each update by `sync_weights`)."""
+    sync), or an SGLang engine/server (weights synced after each update by `sync_weights`).
+
+    `weights_changed`: the module no longer equals `model.path` (after SFT, a resumed or loaded checkpoint, random
+    init): an SGLang engine then starts from the module's weights saved to ``<output_dir>/weights``."""
     r = cfg.rollout
     if r.backend == "hf":
         from agents.hf_policy import HFPolicy
 
         return HFPolicy(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
-                        vocab_limit=len(tokenizer), **r.engine_kwargs)
+                        vocab_limit=len(tokenizer))
     if r.backend == "sglang_engine":
         from agents.sglang_policy import SGLangEnginePolicy
 
-        path = cfg.model.path or os.path.join(cfg.output_dir, "weights")
-        if not cfg.model.path:
+        path = cfg.model.path
+        if weights_changed or not path:
+            path = str(Path(cfg.output_dir).resolve() / f"weights-rank{local_rank}")
             lm.save_pretrained(path)
             tokenizer.save_pretrained(path)
-        return SGLangEnginePolicy(model_path=path, **r.engine_kwargs)
+        kwargs = dict(r.engine_kwargs)
+        kwargs.setdefault("base_gpu_id", local_rank)  # one engine per process, on that process's GPU
+        return SGLangEnginePolicy(model_path=path, **kwargs)
     from agents.sglang_policy import SGLangServerPolicy
 
     return SGLangServerPolicy(r.server_urls, **r.engine_kwargs)
@@ -183,7 +190,7 @@ async def sync_weights(backend: Any, lm: torch.nn.Module, output_dir: str) -> st
         await backend.flush_cache()
         return "update_weights_from_tensor"
     except NotImplementedError:
-        path = os.path.join(output_dir, "weights")
+        path = str(Path(output_dir).resolve() / "weights")  # absolute: servers resolve paths on their own side
         lm.save_pretrained(path)
         await backend.update_weights(model_path=path)
         await backend.flush_cache()

@@ -35,7 +35,8 @@ class Tracker:
         if jsonl:
             path = self.dir / "metrics.jsonl"
             if resume and path.is_file():
-                self.history = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                with path.open(encoding="utf-8") as f:
+                    self.history = [json.loads(line) for line in f if line.strip()]
             self._jsonl = path.open("a" if resume else "w", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
