@@ -9,7 +9,7 @@ Rows: mt_env's `ToolVectorEnv` (all envs' tool calls in one event loop) and, as 
 run, Gymnasium's `SyncVectorEnv` (`gym.make_vec(..., vectorization_mode="sync")`, envs stepped one by one).
 Goal (issue 3): >= 20k env-steps/s on 2 cores for GSM8kTool with the tokenizer off.
 
-    python benchmarks/bench_envs.py [--data ../shared/data/gsm8k] [--episodes 8]
+    python benchmarks/bench_envs.py [--data ../shared/data/gsm8k] [--episodes 24]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     default_data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k")
     ap.add_argument("--data", default=os.environ.get("MT_ENV_GSM8K", default_data))
-    ap.add_argument("--episodes", type=int, default=8, help="episodes per env (each 3 steps)")
+    ap.add_argument("--episodes", type=int, default=24, help="episodes per env (each 3 steps)")
     args = ap.parse_args()
     print(f"GSM8kTool-v0, data {args.data}; {args.episodes} episodes x 3 steps per env; cpu threads: "
           f"{os.cpu_count()}\n")

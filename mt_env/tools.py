@@ -315,7 +315,14 @@ class ToolBox:
             finally:
                 self.counts["released"] += 1
 
-        if pending:
+        if len(pending) == 1:  # the usual one-tool episode: inline unless the release suspends, then shielded
+            coro = release(*next(iter(pending.items())))
+            try:
+                first = coro.send(None)
+            except StopIteration:
+                return
+            await asyncio.shield(asyncio.ensure_future(_resume(coro, first)))
+        elif pending:
             await asyncio.shield(asyncio.gather(*(release(n, i) for n, i in pending.items())))
 
     def _kwargs(self, name: str, key: str) -> dict:
