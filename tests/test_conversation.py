@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 
@@ -163,6 +164,9 @@ def test_long_observation_is_cut_by_policy(fmt, keep):
     assert len(obs) <= 40 and conv.observation_cuts == 1
     content = conv.messages[-1]["content"]
     assert "tokens cut ...]" in content
+    kept = content.replace(re.search(r"\[\.\.\. \d+ tokens cut \.\.\.\]", content)[0], "")
+    said = int(re.search(r"\[\.\.\. (\d+) tokens cut", content)[1])
+    assert said == len(fmt.encode(long)) - len(fmt.encode(kept)) or keep == "middle"  # the marker counts exactly
     assert content.startswith("w0 ") == (keep in ("head", "middle"))
     assert content.endswith("w499") == (keep in ("tail", "middle"))
     conv.add_assistant(turn_ids(fmt, "done"))
