@@ -30,6 +30,13 @@ def test_drive_gsm8k_with_a_policy(monkeypatch, capsys):
     assert re.search(r"return: -?\d", out) and re.search(r"\d+ tokens, \d+ trained on", out)
 
 
+def test_text_episode(capsys):
+    exec(compile(block('gym.make("Calculator-v0")'), "README.md", "exec"), {"__name__": "readme"})
+    out = capsys.readouterr().out.splitlines()
+    assert "What is 865 * 673?" in "\n".join(out[:-2])
+    assert out[-2] == "tool: 582145" and out[-1] == "1.0 True answered"
+
+
 def test_add_your_own_env():
     namespace: dict = {}
     exec(compile(block("class SumEnv"), "README.md", "exec"), namespace)
