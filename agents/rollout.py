@@ -100,6 +100,23 @@ class RolloutResult:
     def samples(self) -> list[Sample]:
         return [s for e in self.episodes for s in e.samples]
 
+    def summary(self) -> dict[str, float]:
+        """Per-episode means over the episodes that were played (not failed or skipped), and pass@n over tasks:
+        the share of tasks (groups) that at least one of their samples solved."""
+        played = [e for e in self.episodes if e.state != EpisodeState.FAILED]
+        solved: dict[int, bool] = {}
+        for e in self.episodes:
+            solved[e.id.group] = solved.get(e.id.group, False) or e.success
+
+        def mean(values) -> float:
+            values = list(values)
+            return float(statistics.fmean(values)) if values else 0.0
+
+        return {"played": float(len(played)), "success": mean(e.success for e in played),
+                "reward": mean(e.total_reward for e in played), "turns": mean(e.turns for e in played),
+                "tool_call_rate": mean(e.tool_calls > 0 for e in played),
+                "tool_errors_per_episode": mean(e.tool_errors for e in played), "pass@n": mean(solved.values())}
+
     def batch(self, pad_token_id: int, layout: str = "padded") -> Batch:
         """The training batch of all episodes' samples (failed ones with loss mask 0)."""
         samples = self.samples

@@ -221,12 +221,7 @@ class Conversation:
     @property
     def max_new_tokens(self) -> int:
         """How many tokens the next assistant turn may sample without breaking the budget."""
-        room = [math.inf]
-        if self.budget.max_response_tokens is not None:
-            room.append(self.budget.max_response_tokens - self.response_len)
-        if self.budget.max_total_tokens is not None:
-            room.append(self.budget.max_total_tokens - len(self.current.ids))
-        r = min(room)
+        r = self._room(self.response_len, len(self.current.ids))
         return max(0, int(r)) if r != math.inf else 2**31 - 1
 
     def _truncate(self, reason: str) -> None:

@@ -12,11 +12,11 @@ pass@k). With ``--checkpoint``, the model is rebuilt from the recipe and the che
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 
 if __package__ in (None, ""):
@@ -72,19 +72,12 @@ def main(argv=None) -> dict:
                            max_concurrency=len(tasks) * args.samples)
     result = driver.run(tasks, n=args.samples)
     episodes = result.episodes
-    played = [e for e in episodes if e.state.value != "failed"]
-    solved: dict[int, bool] = {}
-    for e in episodes:
-        solved[e.id.group] = solved.get(e.id.group, False) or e.success
+    stats = result.summary()
     summary = {
         "episodes": len(episodes), "failed": int(result.metrics["rollout/failed"]),
         "skipped (prompt over budget)": int(result.metrics["rollout/skipped"]),
-        "success": float(np.mean([e.success for e in played])) if played else 0.0,
-        f"pass@{args.samples}": float(np.mean(list(solved.values()))),
-        "reward": float(np.mean([e.total_reward for e in played])) if played else 0.0,
-        "turns": float(np.mean([e.turns for e in played])) if played else 0.0,
-        "tool_call_rate": float(np.mean([e.tool_calls > 0 for e in played])) if played else 0.0,
-        "tool_errors_per_episode": float(np.mean([e.tool_errors for e in played])) if played else 0.0,
+        "success": stats["success"], f"pass@{args.samples}": stats["pass@n"],
+        **{k: stats[k] for k in ("reward", "turns", "tool_call_rate", "tool_errors_per_episode")},
         "response_tokens": result.metrics["rollout/response_len_mean"],
         "wall_s": result.metrics["rollout/wall_s"],
     }
@@ -100,6 +93,7 @@ def main(argv=None) -> dict:
         print(f"  {k:<{width}}  {v:.3f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
     print(f"per-episode records: {out}")
     driver.close()
+    asyncio.run(backend.close())  # stop the generation worker before the interpreter exits
     return summary
 
 

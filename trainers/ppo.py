@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
 
         # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
         local_tokens = sum(sum(s.loss_mask()) for s in samples)
-        if _global_min(accelerator, local_tokens) == 0:
+        if _global(accelerator, local_tokens, "min") == 0:
             tracker.message(f"step {step}: skipping the update: no trainable tokens ({metrics['rollout/failed']:.0f} "
                             f"failed, {metrics['rollout/skipped']:.0f} skipped of {len(result.episodes)} episodes)")
             state.step = step
@@ -329,7 +329,7 @@ def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config
     B = data["input_ids"].shape[0]
     world = accelerator.num_processes
     n_mini = max(1, math.ceil(B / (t.minibatch_size // world)))  # minibatch_size is global
-    n_mini = int(_global_max(accelerator, n_mini))
+    n_mini = int(_global(accelerator, n_mini, "max"))
     policy.train()
     stats: dict[str, list] = {}
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
@@ -340,10 +340,10 @@ def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config
             target = data["target"][mb_rows]
             # each process divides its share by (global count / processes); DDP then averages the gradients: the
             # result is exactly the gradient of the global mini-batch loss
-            norms = {"norm_tokens": _global_sum(accelerator, target.sum()) / world,
-                     "norm_seqs": _global_sum(accelerator, (target.sum(-1) > 0).sum()) / world, "constant": constant}
+            norms = {"norm_tokens": _global(accelerator, target.sum(), "sum") / world,
+                     "norm_seqs": _global(accelerator, (target.sum(-1) > 0).sum(), "sum") / world, "constant": constant}
             micro = list(mb_rows.split(t.micro_batch_size)) or [mb_rows]
-            n_micro = int(_global_max(accelerator, len(micro)))
+            n_micro = int(_global(accelerator, len(micro), "max"))
             micro += [mb_rows[:0]] * (n_micro - len(micro))  # equal counts on every process (collectives line up)
             bad = False
             for k, rows in enumerate(micro):
@@ -406,20 +406,11 @@ def run_eval(driver: RolloutDriver, tasks: list[dict], cfg: Config, accelerator)
     """Held-out episodes through the same rollout driver: greedy, or sampled with pass@k over `eval.samples`."""
     overrides = {"temperature": 0.0} if cfg.eval.greedy else {}
     result = driver.run(tasks, n=cfg.eval.samples, step=0, **overrides)
-    eps = result.episodes
-    solved_groups = {}
-    for e in eps:
-        solved_groups[e.id.group] = solved_groups.get(e.id.group, False) or e.success
-    played = [e for e in eps if e.state.value != "failed"]
-    metrics = {
-        "val/success": float(np.mean([e.success for e in played])) if played else 0.0,
-        "val/reward": float(np.mean([e.total_reward for e in played])) if played else 0.0,
-        "val/turns": float(np.mean([e.turns for e in played])) if played else 0.0,
-        "val/tool_call_rate": float(np.mean([e.tool_calls > 0 for e in played])) if played else 0.0,
-        "val/failed": float(len(eps) - len(played)),
-    }
+    summary = result.summary()
+    metrics = {f"val/{k}": summary[k] for k in ("success", "reward", "turns", "tool_call_rate")}
+    metrics["val/failed"] = float(len(result.episodes)) - summary["played"]
     if cfg.eval.samples > 1:
-        metrics[f"val/pass@{cfg.eval.samples}"] = float(np.mean(list(solved_groups.values())))
+        metrics[f"val/pass@{cfg.eval.samples}"] = summary["pass@n"]
     return reduce_metrics(accelerator, metrics)
 
 
@@ -461,19 +452,15 @@ def _add(stats: dict, key: str, value: float) -> None:
     stats.setdefault(key, []).append(value)
 
 
-def _global_sum(accelerator, x) -> float:
+def _global(accelerator, x, op: str) -> float:
+    """`x` (a number on each process) summed, or its min or max, over the processes."""
     t = torch.as_tensor(x, dtype=torch.float32, device=accelerator.device).reshape(1)
-    return float(accelerator.reduce(t, reduction="sum")) if accelerator.num_processes > 1 else float(t)
-
-
-def _global_min(accelerator, x) -> float:
-    t = torch.as_tensor(x, dtype=torch.float32, device=accelerator.device).reshape(1)
-    return float(accelerator.gather(t).min()) if accelerator.num_processes > 1 else float(t)
-
-
-def _global_max(accelerator, x) -> float:
-    t = torch.as_tensor(x, dtype=torch.float32, device=accelerator.device).reshape(1)
-    return float(accelerator.gather(t).max()) if accelerator.num_processes > 1 else float(t)
+    if accelerator.num_processes == 1:
+        return float(t)
+    if op == "sum":
+        return float(accelerator.reduce(t, reduction="sum"))
+    gathered = accelerator.gather(t)
+    return float(gathered.min() if op == "min" else gathered.max())
 
 
 def _lr_lambda(cfg: Config):

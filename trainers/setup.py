@@ -6,7 +6,6 @@ Kept out of `ppo.py` so the algorithm there reads top to bottom; nothing here is
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
