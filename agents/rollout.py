@@ -30,7 +30,7 @@ from typing import NamedTuple
 import gymnasium as gym
 
 from mt_env.batch import Batch, pack_samples, pad_samples
-from mt_env.conversation import Sample
+from mt_env.sample import Sample
 from mt_env.env import ModelTurn, ToolEnv
 from mt_env.errors import BudgetError
 

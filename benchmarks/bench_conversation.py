@@ -19,6 +19,7 @@ import time
 
 from mt_env.batch import pack_samples, pad_samples
 from mt_env.chat_format import ChatFormat
+from mt_env.conformance import check_template
 from mt_env.conversation import Conversation
 from mt_env.tokenizer import offline_tokenizer
 
@@ -96,7 +97,7 @@ def main():
     args = ap.parse_args()
     rng = random.Random(0)
     fmt = ChatFormat(offline_tokenizer("qwen2.5"), tools=[TOOL])
-    assert fmt.conformance.conforms
+    assert check_template(fmt).conforms
     print(f"tokenizer: offline Qwen2.5 BPE; template: qwen2.5 with 1 tool; repeats={args.repeats} (median)\n")
     print("per turn = (time for the whole episode - time for its prompt alone) / turns\n")
     print(f"{'turns':>5} {'tokens':>7} {'build µs/turn':>14} {'re-render µs/turn':>18} {'speedup':>8} "

@@ -34,7 +34,7 @@ from matplotlib.patches import FancyBboxPatch, Patch
 
 import mt_env  # noqa: F401  (registers Calculator-v0)
 from envs.calculator import CalculatorEnv
-from mt_env.conversation import Sample, Seg
+from mt_env.sample import Sample, Seg
 from mt_env.env import ModelTurn
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.render import token_pieces

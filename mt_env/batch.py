@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .conversation import Sample
+from .sample import Sample
 
 
 class Batch(dict):

@@ -22,39 +22,17 @@ readable diff when the ids differ from what the template renders around the samp
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .chat_format import ChatFormat
+from .conformance import check_template
 from .errors import BudgetError, ChatFormatError, ConversationError, DriftError
-
-
-class Seg(enum.IntEnum):
-    """Where a token came from."""
-
-    PROMPT = 0  #: the rendered prompt messages (system, user, tools)
-    GEN_PROMPT = 1  #: the template's generation prompt, e.g. ``<|im_start|>assistant\n``
-    SAMPLED = 2  #: sampled by the model: the only tokens with loss mask 1
-    OBSERVATION = 3  #: tool responses / user messages and the separators around them
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A run of tokens of one kind. `turn` is the assistant turn it belongs to: the turn a SAMPLED run is, the turn
-    a GEN_PROMPT opens, the turn an OBSERVATION answers; -1 for the initial prompt."""
-
-    kind: Seg
-    turn: int
-    start: int
-    end: int
-    text: str  #: the exact text these tokens stand for (decoded ids for SAMPLED runs)
-
-    def __len__(self) -> int:
-        return self.end - self.start
+from .render import render_ansi, render_html
+from .sample import Sample, Seg, Segment
 
 
 @dataclass
@@ -104,50 +82,6 @@ class AssistantTurn:
     message_index: int = 0  #: index of this turn's message in `Conversation.template_messages`
 
 
-@dataclass
-class Sample:
-    """One training sequence: `ids` with their segments. `prompt_len` splits prompt from response for batching."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    prompt_len: int = 0
-    n_messages: int = 0  #: template messages this sample covers (for the drift check)
-    rewards: list[float] | None = None  #: token-level rewards, filled by `Conversation.samples()`
-    trainable: bool = True  #: False for failed episodes: the loss mask is then all zero
-    episode: Any = None  #: id of the episode (GRPO groups and per-turn samples share it through their owner)
-    episode_reward: float = 0.0  #: the whole episode's return (the same on every sample of the episode)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def kinds(self) -> list[int]:
-        out: list[int] = []
-        for s in self.segments:
-            out += [int(s.kind)] * len(s)
-        return out
-
-    def turns(self) -> list[int]:
-        out: list[int] = []
-        for s in self.segments:
-            out += [s.turn] * len(s)
-        return out
-
-    def loss_mask(self) -> list[int]:
-        on = 1 if self.trainable else 0
-        out: list[int] = []
-        for s in self.segments:
-            out += [on if s.kind == Seg.SAMPLED else 0] * len(s)
-        return out
-
-    def _extend(self, kind: Seg, turn: int, ids: list[int], text: str, logprobs: list[float] | None = None):
-        start = len(self.ids)
-        self.ids += ids
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        if ids or kind == Seg.SAMPLED:  # keep empty sampled turns: they carry a turn index
-            self.segments.append(Segment(kind, turn, start, start + len(ids), text))
-
-
 class Conversation:
     """One episode's conversation as token ids, built turn by turn. See the module docstring.
 
@@ -175,7 +109,7 @@ class Conversation:
             raise ChatFormatError("a conversation needs at least one prompt message")
         self.fmt = fmt
         self.budget = budget or TokenBudget()
-        self.mode = mode if mode != "auto" else ("incremental" if fmt.conformance.conforms else "per_turn")
+        self.mode = mode if mode != "auto" else ("incremental" if check_template(fmt).conforms else "per_turn")
         self.strict = strict
         self.episode = episode
         self.template_messages: list[dict] = [fmt.clean_message(m, observation=False) for m in messages]
@@ -507,13 +441,9 @@ class Conversation:
 
     # ----------------------------------------------------------------------------------------- display
     def render_ansi(self, sample: int = -1) -> str:
-        from .render import render_ansi
-
         return render_ansi(self.samples_[sample], self.fmt.tokenizer)
 
     def render_html(self, sample: int = -1) -> str:
-        from .render import render_html
-
         return render_html(self.samples_[sample], self.fmt.tokenizer)
 
     def __repr__(self) -> str:

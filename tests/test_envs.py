@@ -15,7 +15,7 @@ from gymnasium.utils.env_checker import check_env
 import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import GSM8kToolEnv, Gsm8kTool, extract_final_answer, make_row
-from mt_env.conversation import Seg
+from mt_env.sample import Seg
 from mt_env.env import ModelTurn
 from mt_env.errors import MtEnvError
 from mt_env.parsers import HermesParser, ToolCall

@@ -16,7 +16,9 @@ from hypothesis import strategies as st
 
 from mt_env.batch import pack_samples, pad_samples, sample_fields, unpack, unpad
 from mt_env.chat_format import ChatFormat
-from mt_env.conversation import Conversation, Seg, TokenBudget
+from mt_env.conformance import check_template
+from mt_env.conversation import Conversation, TokenBudget
+from mt_env.sample import Seg
 from mt_env.errors import ConversationError, DriftError
 from mt_env.tokenizer import offline_tokenizer
 
@@ -45,7 +47,7 @@ def fmt(request) -> ChatFormat:
 @pytest.mark.parametrize("name,conforms", [("qwen2.5", True), ("qwen3", False), ("qwen3-nothink", False),
                                            ("llama3.1", False)])
 def test_checker_verdicts(name, conforms):
-    assert FORMATS[name]().conformance.conforms is conforms
+    assert check_template(FORMATS[name]()).conforms is conforms
 
 
 @given(plan=conversation_plan())
@@ -91,7 +93,7 @@ def test_incremental_equals_full_rendering_or_raises(fmt, plan):
     else:
         with pytest.raises(DriftError):
             conv.check_drift()
-    if fmt.conformance.conforms:
+    if check_template(fmt).conforms:
         assert matches, "a conforming template drifted"
 
 
@@ -99,7 +101,7 @@ def test_incremental_equals_full_rendering_or_raises(fmt, plan):
 def test_conforming_template_canonical_ids_equal_full_tokenization(fmt, plan):
     """With canonical sampling and no whitespace at a turn start (trap 1: it merges with the generation prompt's
     newline), the incremental ids are exactly the tokenization of the whole rendered conversation."""
-    if not fmt.conformance.conforms:
+    if not check_template(fmt).conforms:
         pytest.skip("only meaningful for prefix-safe templates")
     plan.turns = [("A" + text.lstrip(), splits, closed) for text, splits, closed in plan.turns]
     conv = play(fmt, plan, mode="incremental", canonical=True)

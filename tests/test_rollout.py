@@ -19,7 +19,7 @@ from agents.rollout import EpisodeId, EpisodeState, RolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import load_rows
-from mt_env.conversation import Seg
+from mt_env.sample import Seg
 from mt_env.parsers import HermesParser, ToolCall
 from trainers.modeling import build_causal_lm
 

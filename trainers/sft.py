@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from mt_env.batch import pad_samples
-from mt_env.conversation import Sample
+from mt_env.sample import Sample
 from mt_env.env import ModelTurn
 from mt_env.errors import BudgetError
 
