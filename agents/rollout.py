@@ -31,7 +31,7 @@ import gymnasium as gym
 
 from mt_env.batch import Batch, pack_samples, pad_samples
 from mt_env.sample import Sample
-from mt_env.env import ModelTurn, ToolEnv
+from mt_env.env import ToolEnv
 from mt_env.errors import BudgetError
 
 from .policy import Policy, PolicyError, SamplingParams
@@ -282,8 +282,7 @@ class RolloutDriver:
                 clock.begin("tools")
                 t0 = time.perf_counter()
                 try:
-                    obs, reward, terminated, truncated, info = await base.astep(
-                        ModelTurn(token_ids=gen.ids, logprobs=gen.logprobs, finish_reason=gen.finish_reason))
+                    obs, reward, terminated, truncated, info = await base.astep(gen)
                 finally:
                     record.tool_s += time.perf_counter() - t0
                     clock.end("tools")

@@ -33,6 +33,7 @@ from .conformance import check_template
 from .errors import BudgetError, ChatFormatError, ConversationError, DriftError
 from .render import render_ansi, render_html
 from .sample import Sample, Seg, Segment
+from .turn import ModelTurn
 
 
 @dataclass
@@ -68,13 +69,13 @@ class TokenBudget:
 
 
 @dataclass
-class AssistantTurn:
-    index: int
-    ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    text: str  #: the raw sampled text, without the end-of-turn token
-    closed: bool  #: the model ended the turn itself with the end-of-turn token
+class AssistantTurn(ModelTurn):
+    """A model turn as the conversation accepted it: `ids` cut to the token budget (the finish reason then becomes
+    ``length``), `text` decoded from them without the end-of-turn token, and where it sits in the conversation —
+    with the parser's view of it and the step reward it earned."""
+
+    index: int = 0  #: assistant turns count from 0
+    closed: bool = False  #: the model ended the turn itself with the end-of-turn token
     tool_calls: list[dict] | None = None
     content: str | None = None  #: display content (text outside tool calls) from a parser, if given
     reward: float = 0.0

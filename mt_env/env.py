@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -44,13 +43,13 @@ from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
 from .chat_format import ChatFormat
+from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
 from .parsers import get_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox
-
-FINISH_REASONS = ("stop", "length", "abort")
+from .turn import FINISH_REASONS, ModelTurn
 
 
 class AnyText(spaces.Text):
@@ -84,16 +83,6 @@ class FinishReason(spaces.Discrete):
         if mask is None and probability is None:
             return np.int64(0)
         return super().sample(mask=mask, probability=probability)
-
-
-@dataclass
-class ModelTurn:
-    """One model turn: sampled ids (verbatim), their logprobs and the engine's finish reason; or text."""
-
-    token_ids: list[int] | None = None
-    text: str | None = None
-    finish_reason: str = "stop"
-    logprobs: list[float] | None = None
 
 
 class ToolEnv(gym.Env):
@@ -286,7 +275,7 @@ class ToolEnv(gym.Env):
         self.turn += 1
         conv = self.conversation
         if conv is not None:
-            ids = turn.token_ids if turn.token_ids is not None else self._encode_text_turn(turn)
+            ids = turn.ids if turn.ids is not None else self._encode_text_turn(turn)
             assistant = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
             text, finish = assistant.text, assistant.finish_reason
         else:
@@ -410,20 +399,16 @@ class ToolEnv(gym.Env):
             turn = ModelTurn(text=action)
         elif isinstance(action, Mapping):
             fr = action.get("finish_reason", "stop")
-            if isinstance(fr, (int, np.integer)):
+            if is_int(fr):
                 fr = FINISH_REASONS[int(fr)]
             ids = action.get("token_ids")
-            turn = ModelTurn(token_ids=None if ids is None else [int(i) for i in ids], text=action.get("text"),
+            turn = ModelTurn(ids=None if ids is None else [int(i) for i in ids], text=action.get("text"),
                              finish_reason=fr, logprobs=action.get("logprobs"))
         elif isinstance(action, (list, tuple, np.ndarray)):
-            turn = ModelTurn(token_ids=[int(i) for i in action])
+            turn = ModelTurn(ids=[int(i) for i in action])
         else:
             raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
-        if turn.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {turn.finish_reason!r}")
-        if turn.token_ids is None and turn.text is None:
-            raise ValueError("a model turn needs token_ids or text")
-        if turn.token_ids is not None and self.tokenizer is None:
+        if turn.ids is not None and self.tokenizer is None:
             raise ValueError("token-id actions need an env created with a tokenizer; pass text instead")
         return turn
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import gymnasium as gym
 
-from .env import ModelTurn, ToolEnv
+from .env import ToolEnv
 from .errors import MtEnvError
 from .tools import ToolResult
+from .turn import ModelTurn
 
 
 def _jsonable(x: Any) -> Any:
@@ -30,7 +31,7 @@ def _jsonable(x: Any) -> Any:
 
 def _action_record(action: Any) -> dict:
     if isinstance(action, ModelTurn):
-        return {"token_ids": action.token_ids, "text": action.text, "finish_reason": action.finish_reason,
+        return {"token_ids": action.ids, "text": action.text, "finish_reason": action.finish_reason,
                 "logprobs": action.logprobs}
     if isinstance(action, str):
         return {"text": action}
@@ -98,7 +99,7 @@ def episode_actions(episode: Mapping[str, Any]) -> Iterator[ModelTurn]:
     """The recorded model turns of `episode`, as `ModelTurn`s to pass to `step`."""
     for step in episode["steps"]:
         a = step["action"]
-        yield ModelTurn(token_ids=a.get("token_ids"), text=a.get("text"),
+        yield ModelTurn(ids=a.get("token_ids"), text=a.get("text"),
                         finish_reason=a.get("finish_reason", "stop"), logprobs=a.get("logprobs"))
 
 

@@ -10,8 +10,8 @@ import pytest
 from mt_env.chat_format import ZERO_WIDTH_SPACE, ChatFormat
 from mt_env.conformance import check_template
 from mt_env.conversation import Conversation, TokenBudget
-from mt_env.sample import Seg
 from mt_env.errors import BudgetError, ChatFormatError, ConversationError, DriftError
+from mt_env.sample import Seg
 
 from .conftest import LOOKUP_TOOL
 

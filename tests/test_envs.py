@@ -15,11 +15,11 @@ from gymnasium.utils.env_checker import check_env
 import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import GSM8kToolEnv, Gsm8kTool, extract_final_answer, make_row
-from mt_env.sample import Seg
-from mt_env.env import ModelTurn
 from mt_env.errors import MtEnvError
 from mt_env.parsers import HermesParser, ToolCall
+from mt_env.sample import Seg
 from mt_env.tools import BaseTool
+from mt_env.turn import ModelTurn
 from mt_env.vector import ToolVectorEnv
 from mt_env.wrappers import RecordEpisodes, ReplayTools, episode_actions, load_episodes, sft_trace
 
@@ -91,7 +91,7 @@ def test_token_episode_gives_template_deltas_and_training_samples(qwen25):
     ids += turn + list(obs["input_ids"])
     assert ids == env.conversation.context_ids  # appending observations reproduces the context exactly
     answer = fmt.encode(f"The answer is {env.task['answer']}.") + [fmt.end_of_turn_id]
-    obs, reward, terminated, truncated, info = env.step(ModelTurn(token_ids=answer, logprobs=[-0.5] * len(answer)))
+    obs, reward, terminated, truncated, info = env.step(ModelTurn(ids=answer, logprobs=[-0.5] * len(answer)))
     assert terminated and reward == 1.0
     (sample,) = env.conversation.samples()
     assert sum(sample.loss_mask()) == len(turn) + len(answer)

@@ -18,8 +18,8 @@ from mt_env.batch import pack_samples, pad_samples, sample_fields, unpack, unpad
 from mt_env.chat_format import ChatFormat
 from mt_env.conformance import check_template
 from mt_env.conversation import Conversation, TokenBudget
-from mt_env.sample import Seg
 from mt_env.errors import ConversationError, DriftError
+from mt_env.sample import Seg
 from mt_env.tokenizer import offline_tokenizer
 
 from .conftest import LOOKUP_TOOL, shared_tokenizer

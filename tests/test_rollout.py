@@ -14,13 +14,14 @@ import torch
 
 import mt_env  # noqa: F401  (registers the envs)
 from agents.hf_policy import HFPolicy
-from agents.policy import Generation, Policy, PolicyError, SamplingParams
+from agents.policy import Policy, PolicyError, SamplingParams
 from agents.rollout import EpisodeId, EpisodeState, RolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import load_rows
-from mt_env.sample import Seg
 from mt_env.parsers import HermesParser, ToolCall
+from mt_env.sample import Seg
+from mt_env.turn import ModelTurn
 from trainers.modeling import build_causal_lm
 
 from .conftest import SHARED_GSM8K
@@ -367,7 +368,7 @@ def test_closing_the_hf_policy_mid_rollout_fails_the_rollout(qwen25, model):
     ("length", EpisodeState.TRUNCATED, "turn cut by its token limit"),
 ])
 def test_an_empty_turn_ends_the_episode_cleanly(qwen25, finish, state, reason):
-    policy = ScriptedPolicy(lambda prompt: Generation([], [], finish))
+    policy = ScriptedPolicy(lambda prompt: ModelTurn([], [], finish))
     driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), policy)
     result = driver.run([CalculatorEnv.task_for([12, 34])], n=2)
     for record in result.episodes:

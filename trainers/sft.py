@@ -14,7 +14,7 @@ import torch
 
 from mt_env.batch import pad_samples
 from mt_env.sample import Sample
-from mt_env.env import ModelTurn
+from mt_env.turn import ModelTurn
 from mt_env.errors import BudgetError
 
 from .algos import masked_mean
@@ -34,7 +34,7 @@ def demonstration_samples(make_env, tasks: list[dict], skill: float, seed: int) 
             continue
         fmt = env.conversation.fmt
         for text in env.demonstration(task, rng, skill)[::2]:  # assistant turns; tool results come from the tools
-            _, _, terminated, truncated, _ = env.step(ModelTurn(token_ids=fmt.encode(text) + [fmt.end_of_turn_id]))
+            _, _, terminated, truncated, _ = env.step(ModelTurn(ids=fmt.encode(text) + [fmt.end_of_turn_id]))
             if terminated or truncated:
                 break
         samples += env.conversation.samples()
