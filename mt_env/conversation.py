@@ -16,8 +16,11 @@ Two modes:
   that turn's sampled tokens are trained on.
 
 ``"auto"`` (default) picks ``incremental`` when the format passes `mt_env.conformance.check_template`, else
-``per_turn``. With ``strict=True`` (default) `samples()` runs `check_drift()`, which raises `DriftError` with a
-readable diff when the ids differ from what the template renders around the sampled text.
+``per_turn``. With ``strict=True`` (default) `samples()` of a trainable episode runs `check_drift()`, which raises
+`DriftError` with a readable diff when the ids differ from what the template renders around the sampled text.
+
+The conversation is the one record of its episode: ids, segments, messages and rewards. Whoever drives it reads the
+next prompt from `context_ids` and keeps no copy of its own.
 """
 
 from __future__ import annotations
@@ -92,7 +95,6 @@ class Conversation:
         budget: token limits; hitting one truncates the episode, never exceeds it.
         mode: ``"auto"``, ``"incremental"`` or ``"per_turn"``.
         strict: run the drift check when samples are built.
-        episode: any id, copied onto the samples (for grouping).
     """
 
     def __init__(
@@ -102,7 +104,6 @@ class Conversation:
         budget: TokenBudget | None = None,
         mode: str = "auto",
         strict: bool = True,
-        episode: Any = None,
     ):
         if mode not in ("auto", "incremental", "per_turn"):
             raise ValueError(f"mode must be auto/incremental/per_turn, got {mode!r}")
@@ -112,7 +113,6 @@ class Conversation:
         self.budget = budget or TokenBudget()
         self.mode = mode if mode != "auto" else ("incremental" if check_template(fmt).conforms else "per_turn")
         self.strict = strict
-        self.episode = episode
         self.template_messages: list[dict] = [fmt.clean_message(m, observation=False) for m in messages]
         self.openai_messages: list[dict] = [dict(m) for m in self.template_messages]
         self.turns: list[AssistantTurn] = []
@@ -141,8 +141,9 @@ class Conversation:
 
     @property
     def context_ids(self) -> list[int]:
-        """The token ids to send to the engine for the next assistant turn."""
-        return self.current.ids
+        """The token ids to send to the engine for the next assistant turn (a copy: appending goes through
+        `add_assistant` / `add_observation`). In ``per_turn`` mode they start over with each new sample."""
+        return list(self.current.ids)
 
     @property
     def response_len(self) -> int:
@@ -163,7 +164,7 @@ class Conversation:
         self.truncated, self.truncation_reason = True, reason
 
     def _new_sample(self, ids: list[int], text: str, gen: str) -> Sample:
-        sample = Sample(n_messages=len(self.template_messages), episode=self.episode)
+        sample = Sample(n_messages=len(self.template_messages))
         cut = self.fmt.split_generation_prompt(ids)
         if cut == len(ids):
             raise ChatFormatError("the encoded prompt does not end with the generation prompt's tokens")
@@ -363,8 +364,9 @@ class Conversation:
         """The training samples with token-level rewards: each turn's reward on the last sampled token at or before
         that turn, the final reward on the episode's last sampled token. A reward with no sampled token before it
         (an empty first turn) has no token to carry it; it still counts in `Sample.episode_reward`. Runs the drift
-        check first when `strict`. `trainable=False` (a failed episode) zeroes the loss mask."""
-        if self.strict:
+        check first when `strict`. `trainable=False` (a failed episode, whose tokens are kept but not trained on)
+        zeroes the loss mask and skips the drift check: the failure may be the drift itself."""
+        if self.strict and trainable:
             self.check_drift()
         placements: list[tuple[int, int, float]] = []  # (sample, position, reward)
         last_sampled: tuple[int, int] | None = None
@@ -384,7 +386,7 @@ class Conversation:
                     rewards[pos] += r
             out.append(
                 Sample(ids=list(s.ids), logprobs=list(s.logprobs), segments=list(s.segments), prompt_len=s.prompt_len,
-                       n_messages=s.n_messages, rewards=rewards, trainable=trainable, episode=self.episode,
+                       n_messages=s.n_messages, rewards=rewards, trainable=trainable,
                        episode_reward=self.total_reward)
             )
         return out

@@ -11,16 +11,18 @@ See `envs/calculator.py` for a small complete example and `envs/gsm8k_tool.py` f
 
 Spaces
     observation: ``Dict(text=Text, input_ids=Sequence(Discrete(vocab)))`` — the *new* text and token ids since
-        the last observation (the whole prompt after `reset`). Without a tokenizer ``input_ids`` is empty and
-        ``text`` holds the new messages as ``role: content`` blocks; the messages themselves are in
-        ``info["messages"]``.
+        the last observation (the whole prompt after `reset`; in ``per_turn`` mode, where each turn starts a new
+        sample, the whole new context). The model's next prompt is always ``env.conversation.context_ids``.
+        Without a tokenizer ``input_ids`` is empty and ``text`` holds the new messages as ``role: content``
+        blocks; the messages themselves are in ``info["messages"]``.
     action: with a tokenizer, ``Dict(token_ids=Sequence(Discrete(vocab)), finish_reason=Discrete(3))`` (0 stop,
         1 length, 2 abort); without, ``Text``. `step` also accepts a `ModelTurn`, a ``str`` or a list of ids.
 
 Rewards
     Each step returns the tool step rewards of that turn; the last step adds the episode's final reward
     (`final_reward`: by default the tools' ``calc_reward`` plus `answer_reward` of the final answer), also in
-    ``info["final_reward"]``.
+    ``info["final_reward"]``. They are recorded once — in the conversation in token mode (which places them on
+    tokens), in the env in text mode — and `episode_stats` (``info["episode"]``) reads them from there.
 
 Episode end
     ``terminated``: the model answered without a tool call (and no interaction turn follows), or a tool with
@@ -35,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import string
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -83,6 +85,13 @@ class FinishReason(spaces.Discrete):
         if mask is None and probability is None:
             return np.int64(0)
         return super().sample(mask=mask, probability=probability)
+
+
+class _End(NamedTuple):
+    """How and why an episode ends."""
+
+    terminated: bool  #: False: truncated
+    reason: str
 
 
 class ToolEnv(gym.Env):
@@ -163,6 +172,7 @@ class ToolEnv(gym.Env):
         self.conversation: Conversation | None = None
         self.messages: list[dict] = []
         self.tool_counts: dict[str, int] = {"created": 0, "released": 0}
+        self._clear_episode()
 
     # ----------------------------------------------------------------------------------------- task hooks
     def default_tools(self) -> list[BaseTool]:
@@ -233,8 +243,7 @@ class ToolEnv(gym.Env):
     async def areset(self, *, seed: int | None = None, options: dict | None = None):
         """Async twin of `reset`, for drivers that run many envs in one event loop.
 
-        Options: ``task`` (a task row to play instead of drawing one), ``episode`` (an id copied onto the
-        conversation's training samples, e.g. ``(group, index)`` for GRPO)."""
+        Options: ``task`` (a task row to play instead of drawing one)."""
         super().reset(seed=seed)
         await self._end_episode_tools()  # a reset mid-episode releases the previous episode's tools
         options = options or {}
@@ -242,9 +251,7 @@ class ToolEnv(gym.Env):
         chosen = select_tools(self.tools, task)
         self.task = task
         self.tool_schemas = chosen.schemas  #: the tools this episode can call (and its prompt renders)
-        self.turn = 0
-        self.interactions = 0
-        self.totals = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "step_reward": 0.0, "final_reward": 0.0}
+        self._clear_episode()
         self._box = self.toolbox_factory(chosen.tools)
         await self._box.create_all(chosen.tools_kwargs)
         self.tool_counts["created"] += len(chosen.tools)
@@ -256,10 +263,9 @@ class ToolEnv(gym.Env):
         if self.tokenizer is not None:
             fmt = self._formats.get(key) or self._formats.setdefault(key, ChatFormat(
                 self.tokenizer, tools=chosen.schemas or None, template_kwargs=self.template_kwargs))
-            self.conversation = Conversation(fmt, messages, budget=self.budget, mode=self.mode, strict=self.strict,
-                                             episode=options.get("episode"))
-            ids = list(self.conversation.context_ids)
-            obs = {"text": "".join(s.text for s in self.conversation.current.segments), "input_ids": tuple(ids)}
+            self.conversation = Conversation(fmt, messages, budget=self.budget, mode=self.mode, strict=self.strict)
+            sample = self.conversation.current
+            obs = {"text": "".join(s.text for s in sample.segments), "input_ids": tuple(sample.ids)}
         else:
             self.conversation = None
             obs = {"text": _plain(messages), "input_ids": ()}
@@ -268,117 +274,146 @@ class ToolEnv(gym.Env):
         return obs, info
 
     async def astep(self, action):
-        """Async twin of `step`."""
+        """Async twin of `step`: take the turn, parse it, answer it (its tool calls, or a follow-up), observe the
+        answer, and score the episode when it ends."""
         if not self._active:
             raise ResetNeeded("the episode has ended (or reset() was not called): call reset() before step()")
-        turn = self._as_turn(action)
+        text, finish = self._take_turn(self._as_turn(action))
+        parsed, info = self._parse(text, finish)
+        messages, reward = [], 0.0
+        end = self._end_before_answer(finish, parsed)
+        if end is None and (parsed.calls or parsed.errors):
+            messages, reward, end = await self._run_tools(parsed, info)
+        elif end is None:
+            messages, end = self._follow_up(text)
+        obs = {"text": "", "input_ids": ()}
+        if messages and end is None:
+            obs, end = self._observe(messages)
+        self._add_reward(reward)
+        info.update(messages=messages, step_reward=reward)
+        if end is not None:
+            reward += await self._finish(text, end, info)
+        return obs, reward, end is not None and end.terminated, end is not None and not end.terminated, info
+
+    def episode_stats(self) -> dict[str, Any]:
+        """The episode so far (`info["episode"]` on its last step): tool calls and errors, parse errors, turns and
+        rewards. Rewards are read from their one record: the conversation in token mode (it places them on tokens),
+        the env itself in text mode."""
+        if self.conversation is not None:
+            step, final = sum(t.reward for t in self.conversation.turns), self.conversation.final_reward
+        else:
+            step, final = sum(self._text_rewards), self._text_final
+        final = float(final or 0.0)
+        return dict(self._counts, step_reward=step, final_reward=final, turns=self.turn, total_reward=step + final)
+
+    # ----------------------------------------------------------------------------------------- the steps of a turn
+    def _take_turn(self, turn: ModelTurn) -> tuple[str, str]:
+        """Record the model's turn; returns its text and finish reason as kept (token mode: cut to the budget)."""
         self.turn += 1
         conv = self.conversation
-        if conv is not None:
-            ids = turn.ids if turn.ids is not None else self._encode_text_turn(turn)
-            assistant = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
-            text, finish = assistant.text, assistant.finish_reason
-        else:
-            text, finish = turn.text if turn.text is not None else "", turn.finish_reason
+        if conv is None:
+            return (turn.text if turn.text is not None else ""), turn.finish_reason
+        ids = turn.ids if turn.ids is not None else self._encode_text_turn(turn)
+        kept = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
+        return kept.text, kept.finish_reason
+
+    def _parse(self, text: str, finish: str) -> tuple[Any, dict[str, Any]]:
+        """The turn's tool calls and parse errors, recorded as the assistant message's parsed view; and the step's
+        first info fields."""
         parsed = self._parser.parse(text)
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
-        openai_calls = [c.to_openai() for c in parsed.calls]
-        if conv is not None:
-            conv.set_parsed(openai_calls, parsed.content)
+        calls = [c.to_openai() for c in parsed.calls]
+        if self.conversation is not None:
+            self.conversation.set_parsed(calls, parsed.content)
         else:
-            msg = {"role": "assistant", "content": text}
-            if openai_calls:
-                msg["tool_calls"] = openai_calls
-            self.messages.append(msg)
+            self.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+        self._counts["parse_errors"] += len(parsed.errors)
+        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls,
+                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors]}
+        return parsed, info
 
-        info: dict[str, Any] = {"turn": self.turn, "finish_reason": finish, "tool_calls": openai_calls,
-                                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors]}
-        self.totals["parse_errors"] += len(parsed.errors)
-        reward, terminated, truncated, reason = 0.0, False, False, None
-        new_messages: list[dict] = []
-
+    def _end_before_answer(self, finish: str, parsed) -> _End | None:
+        """An end decided by the turn alone, before anything answers it."""
+        calls = parsed.calls or parsed.errors
         if finish == "abort":
-            truncated, reason = True, "generation aborted"
-        elif conv is not None and conv.truncated:
-            truncated, reason = True, conv.truncation_reason
-        elif parsed.calls or parsed.errors:
-            if self.turn >= self.max_turns:
-                truncated, reason = True, "turn limit reached with a pending tool call"
-            else:
-                results = await self._box.execute_many(parsed.calls + parsed.errors, self.max_parallel_tools)
-                reward = float(sum(r.reward for r in results))
-                new_messages = [r.to_message() for r in results]
-                info["tool_results"] = [
-                    {"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error,
-                     "error_kind": r.error_kind, "duration_s": r.duration_s, "metrics": r.metrics} for r in results]
-                errors = sum(1 for r in results if r.error_kind)
-                self.totals["tool_calls"] += len(results)
-                self.totals["tool_errors"] += errors
-                info["tool_errors"] = errors
-                if any(r.end_episode for r in results):
-                    terminated, reason = True, "a tool failed with on_error=end_episode"
-        elif finish == "length" and self.length_cut == "truncate":
-            truncated, reason = True, "turn cut by its token limit"
-        else:
-            follow = self.interaction(self.task, text) if self.interactions < self.max_interactions else None
-            if follow is None:
-                terminated, reason = True, "answered"
-            elif self.turn >= self.max_turns:
-                truncated, reason = True, "turn limit reached"
-            else:
-                self.interactions += 1
-                new_messages = [{"role": "user", "content": follow}]
+            return _End(False, "generation aborted")
+        if self.conversation is not None and self.conversation.truncated:
+            return _End(False, self.conversation.truncation_reason)
+        if calls and self.turn >= self.max_turns:
+            return _End(False, "turn limit reached with a pending tool call")
+        if not calls and finish == "length" and self.length_cut == "truncate":
+            return _End(False, "turn cut by its token limit")
+        return None
 
-        obs = {"text": "", "input_ids": ()}
-        if new_messages and not (terminated or truncated):
-            if self.turn >= self.max_turns:
-                truncated, reason = True, "turn limit reached"
-            else:
-                obs, replaced = self._observe(new_messages)
-                info["replace_context"] = replaced
-                if obs is None:
-                    obs, truncated, reason = {"text": "", "input_ids": ()}, True, conv.truncation_reason
-        if conv is not None and reward:
-            conv.add_reward(reward)
-        self.totals["step_reward"] += reward
-        info["messages"] = new_messages
-        info["step_reward"] = reward
-        if terminated or truncated:
-            final, tool_rewards, answer = await self._finish(text)
-            reward += final
-            info.update(final_reward=final, tool_rewards=tool_rewards, answer_reward=answer, end_reason=reason,
-                        episode=dict(self.totals, turns=self.turn, total_reward=self.totals["step_reward"] + final,
-                                     end_reason=reason))
-        return obs, reward, terminated, truncated, info
+    async def _run_tools(self, parsed, info: dict) -> tuple[list[dict], float, _End | None]:
+        """Run the turn's calls (parse errors are answered with their message); returns the tool messages, the
+        step reward, and an end if a tool with ``on_error: end_episode`` failed."""
+        results = await self._box.execute_many(parsed.calls + parsed.errors, self.max_parallel_tools)
+        errors = sum(1 for r in results if r.error_kind)
+        self._counts["tool_calls"] += len(results)
+        self._counts["tool_errors"] += errors
+        info["tool_results"] = [
+            {"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error, "error_kind": r.error_kind,
+             "duration_s": r.duration_s, "metrics": r.metrics} for r in results]
+        info["tool_errors"] = errors
+        end = _End(True, "a tool failed with on_error=end_episode") if any(r.end_episode for r in results) else None
+        return [r.to_message() for r in results], float(sum(r.reward for r in results)), end
 
-    # ----------------------------------------------------------------------------------------- internals
-    def _observe(self, new_messages: list[dict]) -> tuple[dict | None, bool]:
-        """Append an observation; returns (observation, replaces_context). In tokenizer mode the ids are the template
-        delta to append — or, in per-turn mode, the whole new context (the template re-rendered the history).
-        None when the budget leaves no room for it."""
+    def _follow_up(self, final_text: str) -> tuple[list[dict], _End | None]:
+        """After an answer: the user's follow-up (`interaction`) if one is allowed and comes, else the end."""
+        follow = self.interaction(self.task, final_text) if self.interactions < self.max_interactions else None
+        if follow is None:
+            return [], _End(True, "answered")
+        if self.turn >= self.max_turns:
+            return [], _End(False, "turn limit reached")
+        self.interactions += 1
+        return [{"role": "user", "content": follow}], None
+
+    def _observe(self, messages: list[dict]) -> tuple[dict, _End | None]:
+        """Append the answer for the model to see. In token mode the ids are the template delta — or, when the
+        conversation starts a new sample (``per_turn`` mode), that sample's whole context. Ends the episode when
+        the budget leaves no room for it."""
         conv = self.conversation
         if conv is None:
-            self.messages += new_messages
-            return {"text": _plain(new_messages), "input_ids": ()}, False
-        n_samples, start = len(conv.samples_), len(conv.context_ids)
-        if not conv.add_observation(new_messages):
-            return None, False
-        replaced = len(conv.samples_) != n_samples
-        if replaced:
+            self.messages += messages
+            return {"text": _plain(messages), "input_ids": ()}, None
+        n_samples, start = len(conv.samples_), len(conv.current.ids)
+        if not conv.add_observation(messages):
+            return {"text": "", "input_ids": ()}, _End(False, conv.truncation_reason)
+        if len(conv.samples_) != n_samples:
             start = 0
-        text = "".join(s.text for s in conv.current.segments if s.start >= start)
-        return {"text": text, "input_ids": tuple(conv.context_ids[start:])}, replaced
+        sample = conv.current
+        text = "".join(s.text for s in sample.segments if s.start >= start)
+        return {"text": text, "input_ids": tuple(sample.ids[start:])}, None
 
-    async def _finish(self, final_text: str) -> tuple[float, dict, float]:
+    def _add_reward(self, reward: float) -> None:
+        if self.conversation is not None:
+            self.conversation.add_reward(reward)
+        else:
+            self._text_rewards.append(reward)
+
+    async def _finish(self, final_text: str, end: _End, info: dict) -> float:
+        """Score the ended episode and release its tools; returns the final reward (also in `info`)."""
         tool_rewards = await self._box.calc_rewards() if self._box is not None else {}
         answer = float(self.answer_reward(self.task, final_text))
         final = float(self.final_reward(self.task, final_text, tool_rewards))
-        self.totals["final_reward"] = final
         if self.conversation is not None:
             self.conversation.final_reward = final
+        else:
+            self._text_final = final
         await self._end_episode_tools()
-        return final, tool_rewards, answer
+        info.update(final_reward=final, tool_rewards=tool_rewards, answer_reward=answer, end_reason=end.reason,
+                    episode=dict(self.episode_stats(), end_reason=end.reason))
+        return final
+
+    # ----------------------------------------------------------------------------------------- internals
+    def _clear_episode(self) -> None:
+        self.turn = 0
+        self.interactions = 0
+        self._counts = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0}
+        self._text_rewards: list[float] = []  # text mode's rewards (token mode keeps them in the conversation)
+        self._text_final: float | None = None
 
     async def aabandon(self) -> None:
         """End the current episode without scoring it (e.g. after an error outside the env): its tools are released

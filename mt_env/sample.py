@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 
 class Seg(enum.IntEnum):
@@ -38,7 +37,11 @@ class Segment:
 
 @dataclass
 class Sample:
-    """One training sequence: `ids` with their segments, the engine's logprobs and token-level rewards."""
+    """One training sequence: `ids` with their segments, the engine's logprobs and token-level rewards.
+
+    `group` and `episode` are tags for whoever collects episodes into a batch (the rollout driver sets them after
+    `Conversation.samples()`): the GRPO group (the task) and the episode, shared by the per-turn samples of one
+    episode. -1 means untagged (e.g. SFT demonstrations, which need no grouping)."""
 
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -47,8 +50,9 @@ class Sample:
     n_messages: int = 0  #: template messages this sample covers (for the drift check)
     rewards: list[float] | None = None  #: token-level rewards, filled by `Conversation.samples()`
     trainable: bool = True  #: False for failed episodes: the loss mask is then all zero
-    episode: Any = None  #: id of the episode (GRPO groups and per-turn samples share it through their owner)
     episode_reward: float = 0.0  #: the whole episode's return (the same on every sample of the episode)
+    group: int = -1  #: GRPO group, set by the collector
+    episode: int = -1  #: the episode's id in the collected batch, set by the collector
 
     def __len__(self) -> int:
         return len(self.ids)

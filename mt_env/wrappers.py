@@ -169,9 +169,8 @@ def sft_trace(env: ToolEnv) -> dict:
     if conv is not None:
         messages = [dict(m) for m in conv.template_messages]
         parsed = [m.get("tool_calls") for m in conv.messages if m["role"] == "assistant"]
-        reward = conv.total_reward
     else:
         messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in env.messages]
         parsed = [m.get("tool_calls") for m in env.messages if m["role"] == "assistant"]
-        reward = env.totals["step_reward"] + env.totals["final_reward"]
-    return {"messages": messages, "tools": env.tool_schemas, "tool_calls": parsed, "reward": reward}
+    return {"messages": messages, "tools": env.tool_schemas, "tool_calls": parsed,
+            "reward": env.episode_stats()["total_reward"]}

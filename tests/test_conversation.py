@@ -230,6 +230,10 @@ def test_qwen3_reasoning_drift_is_caught_and_per_turn_mode_splits(qwen3):
 
     with pytest.raises(DriftError, match=r"(?s)turn 0.*per_turn"):
         play("incremental").samples()
+    # a failed episode's tokens are kept untrained: nothing is trained, so no drift check (strict stays as set)
+    drifted = play("incremental")
+    (kept,) = drifted.samples(trainable=False)
+    assert drifted.strict and kept.ids == drifted.current.ids and sum(kept.loss_mask()) == 0
     conv = play("auto")
     assert conv.mode == "per_turn"
     first, second = conv.samples()

@@ -15,10 +15,11 @@ import torch
 import mt_env  # noqa: F401  (registers the envs)
 from agents.hf_policy import HFPolicy
 from agents.policy import Policy, PolicyError, SamplingParams
-from agents.rollout import EpisodeId, EpisodeState, RolloutDriver
+from agents.rollout import EpisodeState, RolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import load_rows
+from mt_env.chat_format import ChatFormat
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.sample import Seg
 from mt_env.turn import ModelTurn
@@ -160,12 +161,51 @@ def test_hf_rollout_ends_every_episode_and_builds_a_grpo_batch(env_id, qwen25, m
     assert ((batch["loss_mask"] == 1) == sampled).all()
     assert batch["loss_mask"].sum() == result.metrics["rollout/generated_tokens"] == len(tasks) * n * turns * 8
 
-    groups = Counter(e.group for e in batch["episodes"])
-    assert groups == {g: n for g in range(len(tasks))}
-    assert sorted(batch["episodes"]) == [EpisodeId(g, i) for g in range(len(tasks)) for i in range(n)]
+    # the driver tags each sample with its task (GRPO group) and episode
+    assert Counter(s.group for s in result.samples) == {g: n for g in range(len(tasks))}
+    assert sorted(s.episode for s in result.samples) == list(range(len(tasks) * n))
     for g in range(len(tasks)):  # per-episode seeds: the members of a group sample different answers
-        responses = {tuple(s.ids[s.prompt_len:]) for s in result.samples if s.episode.group == g}
+        responses = {tuple(s.ids[s.prompt_len:]) for s in result.samples if s.group == g}
         assert len(responses) == n
+
+
+def test_per_turn_episodes_generate_from_each_turns_own_context(qwen3):
+    """Qwen3 re-renders history, so each turn is its own sample: the driver sends exactly each sample's prompt (the
+    conversation's `context_ids`), and tags the samples of one episode with one group and episode."""
+    env = CalculatorEnv(tokenizer=qwen3, mode="per_turn")
+    env.reset(seed=0)
+    policy = Recording(ScriptedPolicy(expert(env.conversation.fmt)))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen3, mode="per_turn"), policy)
+    result = driver.run([CalculatorEnv.task_for([12, 34, 5]), CalculatorEnv.task_for([6, 7])], n=2)
+    assert [r.state for r in result.episodes] == [EpisodeState.COMPLETED] * 4 and all(r.success for r in result.episodes)
+    assert [len(r.samples) for r in result.episodes] == [r.turns for r in result.episodes] == [3, 3, 2, 2]
+    sent = Counter((tuple(s.ids[:s.prompt_len]), tuple(s.ids[s.prompt_len:])) for s in result.samples)
+    assert sent == Counter(policy.log)
+    for k, record in enumerate(result.episodes):
+        assert {(s.group, s.episode) for s in record.samples} == {(record.id.group, k)}
+
+
+class AsksAgain(CalculatorEnv):
+    def interaction(self, task, final_text):
+        return "Are you sure?"
+
+
+def test_a_drifting_episode_fails_with_its_tokens_kept_untrained(qwen3):
+    """Forcing incremental mode on Qwen3 drifts once a user turn follows reasoning: the episode fails at its drift
+    check and keeps its tokens with loss mask 0 — read from the conversation, nothing written into it."""
+    made = []
+
+    def make_env():
+        made.append(AsksAgain(tokenizer=qwen3, mode="incremental", max_interactions=1))
+        return made[-1]
+
+    fmt = ChatFormat(qwen3)
+    driver = RolloutDriver(make_env, ScriptedPolicy(lambda prompt: turn(fmt, "<think>\nhmm\n</think>\n\nIt is 1.")))
+    (record,) = driver.run([CalculatorEnv.task_for([12, 34])]).episodes
+    assert record.state == EpisodeState.FAILED and record.error.startswith("DriftError") and record.turns == 2
+    (sample,) = record.samples
+    assert sum(sample.loss_mask()) == 0 and sample.ids == made[0].conversation.context_ids
+    assert made[0].conversation.strict  # the env's conversation is as the env made it
 
 
 # --------------------------------------------------------------------------------------------- concurrency
@@ -275,10 +315,10 @@ def test_a_failing_episode_fails_alone_and_stays_in_the_batch(qwen25, fmt, break
     assert result.metrics["rollout/success_rate"] == 1.0  # over the episodes that ran to their end
 
     batch = result.batch(qwen25.pad_token_id)
-    rows = [i for i, e in enumerate(batch["episodes"]) if e.group == 1]
-    assert sorted(batch["episodes"][i] for i in rows) == [EpisodeId(1, 0), EpisodeId(1, 1)]  # not dropped
+    rows = [i for i, s in enumerate(result.samples) if s.group == 1]
+    assert len({result.samples[i].episode for i in rows}) == 2  # both failed episodes stay in the batch
     assert batch["loss_mask"][rows].sum() == 0
-    assert batch["loss_mask"][[i for i in range(len(batch["episodes"])) if i not in rows]].sum() > 0
+    assert batch["loss_mask"][[i for i in range(len(result.samples)) if i not in rows]].sum() > 0
 
 
 def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):

@@ -179,8 +179,8 @@ def main(argv=None) -> dict:
             tracker.log(step, reduce_metrics(accelerator, metrics))
             continue
         data = to_training_tensors(samples, tokenizer.pad_token_id, accelerator.device)
-        groups = [s.episode.group + rank * 10**6 for s in samples]  # episode ids: GRPO groups and per-turn samples
-        episodes = [tuple(s.episode) for s in samples]
+        groups = [s.group for s in samples]  # the driver's tags: GRPO groups, and per-turn samples of one episode
+        episodes = [s.episode for s in samples]
 
         # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
         update_start = time.perf_counter()
