@@ -6,7 +6,8 @@
 Every episode is a coroutine that drives one env through its public Gymnasium API (`areset` / `astep`, the async
 twins) and asks the policy for the next turn the moment its tools return — there is no lockstep across episodes:
 a short episode finishes while a long one is still generating, and the policy batches whatever requests are in
-flight. Finished episodes are reassembled into one training batch (`RolloutResult.batch`).
+flight. The driver tags each finished episode's samples with its group and episode (`RolloutResult.samples`), ready
+for `mt_env.batch.collate`.
 
 Failure isolation: an exception inside one episode (a tool, the parser, a generation error, a timeout) marks it
 FAILED with the reason; the other episodes go on. A failed episode's tokens stay in the batch with loss mask 0 and
@@ -31,10 +32,9 @@ from typing import NamedTuple
 
 import gymnasium as gym
 
-from mt_env.batch import Batch, pack_samples, pad_samples
-from mt_env.sample import Sample
 from mt_env.env import ToolEnv
 from mt_env.errors import BudgetError
+from mt_env.sample import Sample
 
 from .policy import Policy, PolicyError, SamplingParams
 
@@ -119,17 +119,6 @@ class RolloutResult:
                 "reward": m["rollout/reward_mean"], "turns": m["rollout/turns_mean"],
                 "tool_call_rate": m["rollout/tool_call_rate"],
                 "tool_errors_per_episode": m["rollout/tool_errors_per_episode"], "pass@n": m["rollout/pass@n"]}
-
-    def batch(self, pad_token_id: int, layout: str = "padded") -> Batch:
-        """The training batch of all episodes' samples (failed ones with loss mask 0)."""
-        samples = self.samples
-        if not samples:
-            raise ValueError("the rollout produced no samples (every episode was skipped)")
-        if layout == "padded":
-            return pad_samples(samples, pad_token_id)
-        if layout == "packed":
-            return pack_samples(samples)
-        raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
 
 
 class _Activity:

@@ -19,6 +19,7 @@ from agents.rollout import EpisodeState, RolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import load_rows
+from mt_env.batch import collate
 from mt_env.chat_format import ChatFormat
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.sample import Seg
@@ -154,16 +155,16 @@ def test_hf_rollout_ends_every_episode_and_builds_a_grpo_batch(env_id, qwen25, m
     # The driver rebuilds each next context from observations; it must be exactly the env's conversation.
     assert Counter(policy.log) == Counter(t for r in result.episodes for t in sampled_turns(r))
 
-    batch = result.batch(qwen25.pad_token_id)
-    assert batch["input_ids"].shape[0] == len(result.samples) == len(tasks) * n
-    P = batch["prompts"].shape[1]
-    sampled = batch["segment_kinds"][:, P:] == int(Seg.SAMPLED)
-    assert ((batch["loss_mask"] == 1) == sampled).all()
-    assert batch["loss_mask"].sum() == result.metrics["rollout/generated_tokens"] == len(tasks) * n * turns * 8
+    batch = collate(result.samples, qwen25.pad_token_id)
+    assert len(batch) == len(result.samples) == len(tasks) * n
+    for b, sample in enumerate(result.samples):  # the loss mask is 1 exactly on the sampled tokens
+        sampled = torch.tensor([k == Seg.SAMPLED for k in sample.kinds()])
+        assert torch.equal(batch.loss_mask[b, :len(sample.ids)] == 1, sampled)
+    assert batch.loss_mask.sum() == result.metrics["rollout/generated_tokens"] == len(tasks) * n * turns * 8
 
     # the driver tags each sample with its task (GRPO group) and episode
-    assert Counter(s.group for s in result.samples) == {g: n for g in range(len(tasks))}
-    assert sorted(s.episode for s in result.samples) == list(range(len(tasks) * n))
+    assert Counter(batch.group.tolist()) == {g: n for g in range(len(tasks))}
+    assert sorted(batch.episode.tolist()) == list(range(len(tasks) * n))
     for g in range(len(tasks)):  # per-episode seeds: the members of a group sample different answers
         responses = {tuple(s.ids[s.prompt_len:]) for s in result.samples if s.group == g}
         assert len(responses) == n
@@ -314,11 +315,10 @@ def test_a_failing_episode_fails_alone_and_stays_in_the_batch(qwen25, fmt, break
     assert result.metrics["rollout/failed"] == 2 and result.metrics["rollout/skipped"] == 0
     assert result.metrics["rollout/success_rate"] == 1.0  # over the episodes that ran to their end
 
-    batch = result.batch(qwen25.pad_token_id)
-    rows = [i for i, s in enumerate(result.samples) if s.group == 1]
-    assert len({result.samples[i].episode for i in rows}) == 2  # both failed episodes stay in the batch
-    assert batch["loss_mask"][rows].sum() == 0
-    assert batch["loss_mask"][[i for i in range(len(result.samples)) if i not in rows]].sum() > 0
+    batch = collate(result.samples, qwen25.pad_token_id)
+    failed = batch.group == 1
+    assert batch.episode[failed].unique().numel() == 2  # both failed episodes stay in the batch
+    assert batch.loss_mask[failed].sum() == 0 and batch.loss_mask[~failed].sum() > 0
 
 
 def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):
@@ -332,14 +332,15 @@ def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):
     assert re.match(r"skipped: the prompt is \d+ tokens, over max_prompt_tokens=300", skipped.error)
     assert skipped.samples == [] and skipped.messages == [] and skipped.turns == 0
     assert result.metrics["rollout/skipped"] == 1 and result.metrics["rollout/failed"] == 0
-    assert result.batch(qwen25.pad_token_id)["input_ids"].shape[0] == 2
+    assert len(collate(result.samples, qwen25.pad_token_id)) == 2
 
     driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, budget={"max_prompt_tokens": 10}),
                            ScriptedPolicy(expert(fmt)))
     result = driver.run([short], n=3)
     assert result.metrics["rollout/skipped"] == 3 and result.metrics["rollout/episodes"] == 3
-    with pytest.raises(ValueError, match="every episode was skipped"):
-        result.batch(qwen25.pad_token_id)
+    assert result.samples == []
+    with pytest.raises(ValueError, match="zero samples"):
+        collate(result.samples, qwen25.pad_token_id)
 
 
 # --------------------------------------------------------------------------------------------- env pool
@@ -414,8 +415,8 @@ def test_an_empty_turn_ends_the_episode_cleanly(qwen25, finish, state, reason):
     for record in result.episodes:
         assert (record.state, record.end_reason, record.turns, record.generated_tokens) == (state, reason, 1, 0)
         assert record.final_reward == 0.0 and not record.success
-    batch = result.batch(qwen25.pad_token_id)
-    assert batch["response_lengths"].tolist() == [0, 0] and batch["loss_mask"].numel() == 0
+    assert [len(s.ids) - s.prompt_len for s in result.samples] == [0, 0]
+    assert collate(result.samples, qwen25.pad_token_id).loss_mask.sum() == 0
 
 
 @pytest.mark.parametrize("length_cut", ["truncate", "interact"])

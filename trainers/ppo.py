@@ -40,7 +40,7 @@ from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
 
 from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
-from mt_env.batch import pad_samples
+from mt_env.batch import collate
 from trainers import algos
 from trainers.config import Config, ConfigError, load_config
 from trainers.modeling import PolicyModel
@@ -267,17 +267,11 @@ def main(argv=None) -> dict:
 # ================================================================================================== pieces
 def to_training_tensors(samples, pad_token_id: int, device) -> dict:
     """Padded batch with every per-token tensor full length [B, L] (prompt + response), aligned with input_ids."""
-    batch = pad_samples(samples, pad_token_id)
-    P = batch["prompts"].shape[1]
-
-    def full(response_part):
-        return torch.cat([torch.zeros(response_part.shape[0], P), response_part], dim=1)
-
+    batch = collate(samples, pad_token_id)
     data = {
-        "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-        "position_ids": batch["position_ids"], "turn_ids": batch["turn_ids"],
-        "target": full(batch["loss_mask"]), "rewards": full(batch["token_level_rewards"]),
-        "rollout_lp": full(batch["rollout_logprobs"]), "episode_rewards": batch["episode_rewards"],
+        "input_ids": batch.input_ids, "attention_mask": batch.attention_mask, "position_ids": batch.position_ids,
+        "turn_ids": batch.turn_ids, "target": batch.loss_mask, "rewards": batch.rewards,
+        "rollout_lp": batch.rollout_logprobs, "episode_rewards": batch.episode_rewards,
     }
     return {k: v.to(device) for k, v in data.items()}
 
