@@ -162,7 +162,7 @@ class RolloutDriver:
 
     Args:
         env: a callable returning a fresh env, or a registered Gymnasium id (with `env_kwargs`). The env must have
-            a tokenizer (token-in/token-out) — the driver sends `obs["input_ids"]` to the policy.
+            a tokenizer (token-in/token-out) — the driver sends the conversation's `context_ids` to the policy.
         policy: the generation backend.
         sampling: sampling parameters; ``max_new_tokens`` is per turn and further capped by each episode's budget.
             The env's end-of-turn token is added to the stop tokens.

@@ -46,7 +46,7 @@ class Sample:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
-    prompt_len: int = 0  #: tokens of the episode's initial prompt, generation prompt included
+    prompt_len: int = 0  #: tokens before the first sampled turn: the prompt, generation prompt included
     n_messages: int = 0  #: template messages this sample covers (for the drift check)
     rewards: list[float] | None = None  #: token-level rewards, filled by `Conversation.samples()`
     trainable: bool = True  #: False for failed episodes: the loss mask is then all zero
