@@ -320,7 +320,7 @@ class ToolEnv(gym.Env):
     def _parse(self, text: str, finish: str) -> tuple[Any, dict[str, Any]]:
         """The turn's tool calls and parse errors, recorded as the assistant message's parsed view; and the step's
         first info fields."""
-        parsed = self._parser.parse(text)
+        parsed = self._parser.parse(text, finish)
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
         calls = [c.to_openai() for c in parsed.calls]
