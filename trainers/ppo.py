@@ -36,17 +36,19 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
 from mt_env.batch import pad_samples
 from trainers import algos
+from trainers.checkpoints import Checkpointer, plan_run
 from trainers.config import Config, ConfigError, load_config
 from trainers.modeling import PolicyModel
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, make_backend, make_models,
                             make_tokenizer, sync_weights)
 from trainers.sft import demonstration_samples, sft_warm_start
+from trainers.stopping import EmptySteps, StopRequested, entry_point, resume_command
 from trainers.tracking import Tracker
 
 
@@ -57,19 +59,6 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-class TrainState:
-    """What a checkpoint needs besides models, optimizers, schedulers and RNG states (accelerate saves those)."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-
-
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.set)
@@ -77,8 +66,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
     cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=cpu, project_config=ProjectConfiguration(
-        project_dir=str(out), automatic_checkpoint_naming=True, total_limit=cfg.trainer.keep_last))
+    accelerator = Accelerator(cpu=cpu)
     rank, world = accelerator.process_index, accelerator.num_processes
     for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
                         ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
@@ -88,10 +76,17 @@ def main(argv=None) -> dict:
         raise ConfigError("FSDP shards the policy, and the embedded HF backend generates on the trainer's own module: "
                           "use rollout.backend=sglang_engine or sglang_server with FSDP (or DDP with the HF backend)")
     set_seed(cfg.seed, device_specific=False)
-    resume_dir = _resume_dir(cfg, out)
+    plan = plan_run(cfg)  # a new run, a resume from the newest complete checkpoint, or nothing to do
+    for note in plan.notes:  # which checkpoint it resumes from, and why it skipped others
+        accelerator.print(note)
+    if plan.finished:
+        return plan.state.summary()
+    accelerator.wait_for_everyone()  # every process has read the run directory before the main one writes to it
+    state = plan.state
     tracker = Tracker(out, cfg.to_dict(), enabled=accelerator.is_main_process, jsonl=cfg.logging.jsonl,
                       tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                      wandb_project=cfg.logging.wandb_project, resume=resume_dir is not None)
+                      wandb_project=cfg.logging.wandb_project,
+                      resume_step=state.step if plan.checkpoint else None, clock=state.elapsed)
     run_start = time.perf_counter()
 
     # ---------------------------------------------------------------------------------------------- setup
@@ -110,31 +105,32 @@ def main(argv=None) -> dict:
     if critic_model is not None:
         critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
         critic, critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)
-    state = TrainState()
-    accelerator.register_for_checkpointing(tasks, state)
+    accelerator.register_for_checkpointing(tasks)
     lm = accelerator.unwrap_model(policy).lm  # the plain HF module: generation runs on it, sharing the weights
+    checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer)
 
     # ---------------------------------------------------------------------------------------------- SFT warm start
-    if cfg.sft.steps and resume_dir is None:
+    if cfg.sft.steps and plan.checkpoint is None:
         demo_tasks = TaskSource(probe_env, seed=cfg.seed + 1).next(min(4096, cfg.sft.steps * cfg.sft.batch_size))
         samples = demonstration_samples(make_env, demo_tasks, cfg.sft.demo_skill, cfg.seed)
-        sft_optimizer = accelerator.prepare(torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr))
+        # not passed to accelerator.prepare: prepared optimizers go into every checkpoint, and this one is dead once
+        # RL starts (the prepared model already synchronises gradients across processes)
+        sft_optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr)
         tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), "
                         f"{cfg.sft.steps} steps")
         sft_stats = sft_warm_start(policy, sft_optimizer, samples, tokenizer.pad_token_id, cfg.sft.steps,
                                    cfg.sft.batch_size, accelerator, tracker, cfg.seed, cfg.sft.time_limit_s)
+        del sft_optimizer  # frees its state before RL
         tracker.log(0, sft_stats, console=False)
     # the KL reference is the policy as RL starts (after SFT); a checkpoint restores it with everything else
     reference = (PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer))
                  if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0 else None)
     if reference is not None:
         accelerator.register_for_checkpointing(reference)
-    if resume_dir is not None:
-        accelerator.load_state(str(resume_dir))
-        accelerator.project_configuration.iteration = int(resume_dir.name.rsplit("_", 1)[-1]) + 1  # next checkpoint
-        tracker.message(f"resumed from {resume_dir} at step {state.step}")
+    if plan.checkpoint is not None:
+        accelerator.load_state(str(plan.checkpoint))
 
-    weights_changed = bool(cfg.sft.steps) or resume_dir is not None or not cfg.model.path
+    weights_changed = bool(cfg.sft.steps) or plan.checkpoint is not None or not cfg.model.path
     backend = make_backend(cfg, lm, tokenizer, weights_changed, accelerator.local_process_index)
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
@@ -144,117 +140,127 @@ def main(argv=None) -> dict:
     eval_driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.seed * 1000 + 500 + rank,
                                 max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
     layout = "packed" if cfg.trainer.packed else "padded"
-    best: dict = {}
+    empty_steps = EmptySteps()
 
     def evaluate(step: int) -> dict:
         metrics = run_eval(eval_driver, held_out[rank::world], cfg, accelerator)
         tracker.log(step, metrics, console=False)
         tracker.message(f"eval  {step:>4} | success {metrics['val/success']:.3f} | reward {metrics['val/reward']:.3f} "
                         f"| tool calls {metrics['val/tool_call_rate']:.2f} | turns {metrics['val/turns']:.2f}")
-        best.setdefault("first", metrics)
-        best["last"] = metrics
+        state.record_eval(metrics)
         return metrics
 
-    if state.step == 0:
+    if state.first_eval is None:
         evaluate(0)  # the starting level (after SFT): what RL has to beat
 
     # ---------------------------------------------------------------------------------------------- training loop
-    while state.step < cfg.trainer.total_steps:
-        step_start = time.perf_counter()
-        step = state.step + 1
+    with StopRequested(announce=accelerator.is_main_process) as stop:  # Ctrl-C: checkpoint at the step boundary
+        while state.step < cfg.trainer.total_steps:
+            if stop.agreed(accelerator):
+                break
+            step_start = time.perf_counter()
+            step = state.step + 1
 
-        # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
-        batch_tasks = tasks.next(cfg.rollout.prompts_per_step)[rank::world]
-        result = driver.run(batch_tasks, n=cfg.rollout.n, step=step)
-        rollout_s = time.perf_counter() - step_start
-        samples = result.samples
-        metrics = dict(result.metrics)
+            # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
+            batch_tasks = tasks.next(cfg.rollout.prompts_per_step)[rank::world]
+            result = driver.run(batch_tasks, n=cfg.rollout.n, step=step)
+            rollout_s = time.perf_counter() - step_start
+            samples = result.samples
+            metrics = dict(result.metrics)
 
-        # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
-        local_tokens = sum(sum(s.loss_mask()) for s in samples)
-        if _global(accelerator, local_tokens, "min") == 0:
-            tracker.message(f"step {step}: skipping the update: no trainable tokens ({metrics['rollout/failed']:.0f} "
-                            f"failed, {metrics['rollout/skipped']:.0f} skipped of {len(result.episodes)} episodes)")
+            # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
+            local_tokens = sum(sum(s.loss_mask()) for s in samples)
+            if _global(accelerator, local_tokens, "min") == 0:
+                tracker.message(f"step {step}: skipping the update: no trainable tokens "
+                                f"({metrics['rollout/failed']:.0f} failed, {metrics['rollout/skipped']:.0f} skipped "
+                                f"of {len(result.episodes)} episodes)")
+                state.step = step
+                metrics = reduce_metrics(accelerator, metrics)
+                tracker.log(step, metrics)
+                empty_steps.add(step, metrics, result.episodes)  # a few in a row stop the run, naming the cause
+                continue
+            data = to_training_tensors(samples, tokenizer.pad_token_id, accelerator.device)
+            groups = [s.episode.group + rank * 10**6 for s in samples]  # episode ids: GRPO groups and per-turn samples
+            episodes = [tuple(s.episode) for s in samples]
+
+            # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
+            update_start = time.perf_counter()
+            with torch.no_grad():
+                old_lp, _ = forward(policy, data, cfg, layout)
+                ref_lp = forward(reference, data, cfg, layout)[0] if reference is not None else None
+                values = forward(critic, data, cfg, layout, critic=True)[0] if critic is not None else None
+            metrics.update(logprob_mismatch(old_lp, data["rollout_lp"], data["target"]))
+
+            # 3. REWARDS: tools' turn rewards and the final reward are already on the sampled tokens
+            rewards = data["rewards"]
+            if ref_lp is not None and cfg.algorithm.kl_mode == "reward":
+                kl = algos.kl_estimate(old_lp, ref_lp, cfg.algorithm.kl_estimator)
+                rewards = rewards - cfg.algorithm.kl_coef * torch.where(data["target"] > 0, kl, torch.zeros_like(kl))
+                metrics["actor/kl_ref"] = algos.masked_mean(kl, data["target"]).item()
+
+            # 4. ADVANTAGES
+            returns = None
+            if cfg.algorithm.name == "grpo":
+                seq_adv, grpo_stats = algos.grpo_advantages(data["episode_rewards"], groups, episodes,
+                                                            cfg.algorithm.norm_adv_by_std)
+                advantages = seq_adv[:, None] * data["target"]
+                metrics.update(grpo_stats)
+            else:
+                advantages, returns = algos.masked_gae(rewards, values, data["target"], cfg.algorithm.gamma,
+                                                       cfg.algorithm.lam, data["turn_ids"], cfg.algorithm.turn_gamma)
+                if cfg.algorithm.norm_adv_by_std:
+                    advantages = algos.masked_whiten(advantages, data["target"])
+            if not all(torch.isfinite(x[data["target"] > 0]).all() for x in (old_lp, advantages)):
+                tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages in the batch")
+                state.step = step
+                continue
+
+            # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped
+            update_stats = update(policy, critic, optimizer, critic_optimizer, accelerator, cfg, layout, data,
+                                  old_lp, ref_lp, values, advantages, returns, step)
+            scheduler.step()
+            update_s = time.perf_counter() - update_start
+            sync = "synced by the main process"
+            if cfg.rollout.backend != "sglang_server" or accelerator.is_main_process:  # servers are shared: sync once
+                sync = asyncio.run(sync_weights(backend, lm, str(out)))
+            accelerator.wait_for_everyone()
+
+            # 6. LOG, EVALUATE, CHECKPOINT
             state.step = step
-            tracker.log(step, reduce_metrics(accelerator, metrics))
-            continue
-        data = to_training_tensors(samples, tokenizer.pad_token_id, accelerator.device)
-        groups = [s.episode.group + rank * 10**6 for s in samples]  # episode ids: GRPO groups and per-turn samples
-        episodes = [tuple(s.episode) for s in samples]
-
-        # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
-        update_start = time.perf_counter()
-        with torch.no_grad():
-            old_lp, _ = forward(policy, data, cfg, layout)
-            ref_lp = forward(reference, data, cfg, layout)[0] if reference is not None else None
-            values = forward(critic, data, cfg, layout, critic=True)[0] if critic is not None else None
-        metrics.update(logprob_mismatch(old_lp, data["rollout_lp"], data["target"]))
-
-        # 3. REWARDS: tools' turn rewards and the final reward are already on the sampled tokens
-        rewards = data["rewards"]
-        if ref_lp is not None and cfg.algorithm.kl_mode == "reward":
-            kl = algos.kl_estimate(old_lp, ref_lp, cfg.algorithm.kl_estimator)
-            rewards = rewards - cfg.algorithm.kl_coef * torch.where(data["target"] > 0, kl, torch.zeros_like(kl))
-            metrics["actor/kl_ref"] = algos.masked_mean(kl, data["target"]).item()
-
-        # 4. ADVANTAGES
-        returns = None
-        if cfg.algorithm.name == "grpo":
-            seq_adv, grpo_stats = algos.grpo_advantages(data["episode_rewards"], groups, episodes,
-                                                        cfg.algorithm.norm_adv_by_std)
-            advantages = seq_adv[:, None] * data["target"]
-            metrics.update(grpo_stats)
-        else:
-            advantages, returns = algos.masked_gae(rewards, values, data["target"], cfg.algorithm.gamma,
-                                                   cfg.algorithm.lam, data["turn_ids"], cfg.algorithm.turn_gamma)
-            if cfg.algorithm.norm_adv_by_std:
-                advantages = algos.masked_whiten(advantages, data["target"])
-        if not all(torch.isfinite(x[data["target"] > 0]).all() for x in (old_lp, advantages)):
-            tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages in the batch")
-            state.step = step
-            continue
-
-        # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped
-        update_stats = update(policy, critic, optimizer, critic_optimizer, accelerator, cfg, layout, data,
-                              old_lp, ref_lp, values, advantages, returns, step)
-        scheduler.step()
-        update_s = time.perf_counter() - update_start
-        sync = "synced by the main process"
-        if cfg.rollout.backend != "sglang_server" or accelerator.is_main_process:  # servers are shared: sync once
-            sync = asyncio.run(sync_weights(backend, lm, str(out)))
-        accelerator.wait_for_everyone()
-
-        # 6. LOG, EVALUATE, CHECKPOINT
-        state.step = step
-        metrics.update(update_stats)
-        metrics.update({
-            "perf/step_s": time.perf_counter() - step_start, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
-            "perf/update_tokens_per_s": float(data["attention_mask"].sum()) * cfg.trainer.epochs / max(update_s, 1e-9),
-            "perf/elapsed_s": time.perf_counter() - run_start, "actor/lr": scheduler.get_last_lr()[0],
-            "dist/processes": world,
-        })
-        metrics = reduce_metrics(accelerator, metrics)
-        tracker.log(step, metrics)
-        if step == 1:
-            tracker.message(f"weights: {sync}")
-        last = step == cfg.trainer.total_steps or _out_of_time(cfg, run_start)
-        if (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or last:
-            evaluate(step)
-        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
-            accelerator.save_state()
-        if last and step < cfg.trainer.total_steps:
-            tracker.message(f"stopping at step {step}: time limit {cfg.trainer.time_limit_s:.0f}s reached")
-            break
+            metrics.update(update_stats)
+            metrics.update({
+                "perf/step_s": time.perf_counter() - step_start, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
+                "perf/update_tokens_per_s":
+                    float(data["attention_mask"].sum()) * cfg.trainer.epochs / max(update_s, 1e-9),
+                "perf/elapsed_s": state.elapsed(), "actor/lr": scheduler.get_last_lr()[0],
+                "dist/processes": world,
+            })
+            metrics = reduce_metrics(accelerator, metrics)
+            tracker.log(step, metrics)
+            if step == 1:
+                tracker.message(f"weights: {sync}")
+            last = step == cfg.trainer.total_steps or _out_of_time(cfg, run_start)
+            if (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or last:
+                evaluate(step)
+            if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
+                checkpointer.save(state)
+            if last and step < cfg.trainer.total_steps:
+                tracker.message(f"stopping at step {step}: time limit {cfg.trainer.time_limit_s:.0f}s reached")
+                break
 
     # ---------------------------------------------------------------------------------------------- the end
-    summary = {"steps": state.step, "elapsed_s": time.perf_counter() - run_start,
-               "start_val_success": best.get("first", {}).get("val/success"),
-               "final_val_success": best.get("last", {}).get("val/success")}
+    summary = state.summary()
+    if stop.signum:  # interrupted: checkpoint at this step boundary, and say how to continue
+        summary["stopped_by"] = stop.name
+        saved = checkpointer.save(state)
+        tracker.message(f"{stop.name}: stopped at step {state.step}, checkpoint {saved}. To continue, run the same "
+                        f"command: {resume_command(sys.argv[1:] if argv is None else argv, cfg.trainer.resume)}")
     if cfg.logging.plot:
         path = tracker.plot(f"{cfg.env.id} · {cfg.algorithm.name.upper()} · {Path(args.config).stem}")
         summary["curves"] = str(path) if path else None
     tracker.message(
-        f"done: {summary['steps']} steps in {summary['elapsed_s']:.0f}s | held-out success "
+        f"{'stopped' if stop.signum else 'done'}: {summary['steps']} steps in {summary['elapsed_s']:.0f}s | "
+        f"held-out success "
         f"{_pct(summary['start_val_success'])} (before RL) -> {_pct(summary['final_val_success'])} | "
         f"metrics {out / 'metrics.jsonl'}" + (f" | curves {summary.get('curves')}" if summary.get("curves") else ""))
     tracker.close()
@@ -333,7 +339,7 @@ def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config
     policy.train()
     stats: dict[str, list] = {}
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
-    constant = cfg.rollout.max_response_tokens
+    constant = cfg.env.budget.max_response_tokens
     for _ in range(t.epochs):
         order = torch.randperm(B, generator=generator).to(data["input_ids"].device)
         for mb_rows in order.tensor_split(n_mini):
@@ -479,18 +485,6 @@ def _lr_lambda(cfg: Config):
     return factor
 
 
-def _resume_dir(cfg: Config, out: Path) -> Path | None:
-    if not cfg.trainer.resume:
-        return None
-    if cfg.trainer.resume != "auto":
-        path = Path(cfg.trainer.resume)
-        if not path.is_dir():
-            raise FileNotFoundError(f"trainer.resume: no checkpoint at {path}")
-        return path
-    checkpoints = sorted((out / "checkpoints").glob("checkpoint_*"), key=lambda p: int(p.name.split("_")[-1]))
-    return checkpoints[-1] if checkpoints else None
-
-
 def _out_of_time(cfg: Config, start: float) -> bool:
     return cfg.trainer.time_limit_s is not None and time.perf_counter() - start > cfg.trainer.time_limit_s
 
@@ -500,4 +494,4 @@ def _pct(x) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main))

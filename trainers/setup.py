@@ -6,6 +6,7 @@ Kept out of `ppo.py` so the algorithm there reads top to bottom; nothing here is
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 
 import mt_env  # noqa: F401  (registers the envs)
+from mt_env.conversation import TokenBudget
 from mt_env.env import ToolEnv
 from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokenizer
 
@@ -57,14 +59,10 @@ def env_factory(cfg: Config, tokenizer, eval_env: bool = False) -> Callable[[], 
     kwargs = dict(cfg.env.kwargs)
     if eval_env:
         kwargs.update(cfg.env.eval_kwargs)
-    budget = dict(max_prompt_tokens=cfg.rollout.max_prompt_tokens, max_response_tokens=cfg.rollout.max_response_tokens,
-                  max_total_tokens=cfg.rollout.max_total_tokens,
-                  max_observation_tokens=cfg.rollout.max_observation_tokens,
-                  observation_keep=cfg.rollout.observation_keep)
     kwargs.setdefault("max_turns", cfg.rollout.max_turns)
     kwargs.setdefault("max_parallel_tools", cfg.rollout.max_parallel_tools)
     kwargs.setdefault("mode", cfg.rollout.mode)
-    kwargs["budget"] = budget
+    kwargs["budget"] = TokenBudget(**dataclasses.asdict(cfg.env.budget))  # the only source (env.kwargs has none)
     kwargs["tokenizer"] = tokenizer
     return lambda: gym.make(cfg.env.id, **kwargs)
 
