@@ -97,3 +97,15 @@ def test_two_process_ddp_on_cpu(tmp_path):
     for r in steps:
         assert r["dist/processes"] == 2
         assert r["rollout/episodes"] == 8  # 4 tasks x 2 samples in all: 2 tasks on each process
+    # one complete checkpoint, with both processes' RNG states; it exports like a single-process one
+    from trainers import checkpoints
+    from trainers.export import export
+
+    (found,) = checkpoints.scan(tmp_path)
+    assert found.problem is None and found.step == 2
+    assert {p.name for p in found.path.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
+    out, _ = export(found.path, tmp_path / "exported")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoints.policy_state_dict(found.path).items())
