@@ -266,3 +266,18 @@ def test_failed_episodes_are_named_as_the_cause():
     with pytest.raises(NothingTrains, match=r"steps 7-8 trained nothing: of 4 episodes per step, 0 were skipped and 4 "
                                             r"failed \(e.g. PolicyError: generation timed out\)"):
         guard.add(8, {"rollout/episodes": 4, "rollout/failed": 4, "rollout/skipped": 0}, failed)
+
+
+def test_a_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path):
+    from trainers.tracking import Tracker, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    assert read_metrics(path) == [{"step": 1, "a": 1}, {"step": 2, "a": 2}]
+    tracker = Tracker(tmp_path, {}, resume_step=1, clock=lambda: 42.0)
+    tracker.log(2, {"a": 5}, console=False)
+    tracker.close()
+    assert read_metrics(path) == [{"step": 1, "a": 1}, {"step": 2, "time_s": 42.0, "a": 5}]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl, line 2: not a JSON row"):
+        read_metrics(path)

@@ -191,3 +191,5 @@ def test_evaluate_follows_the_recipes_eval_section(tmp_path):
     assert any(len(texts) > 1 for texts in by_task.values())  # sampled, not greedy
     with pytest.raises(ConfigError, match="eval.samples > 1"):
         evaluate_main(["--config", "quickstart.yaml", "--set", "eval.greedy=true", "--samples", "4"])
+    with pytest.raises(ConfigError, match=f"--checkpoint: no checkpoint or run directory at {tmp_path / 'nope'}"):
+        evaluate_main(["--config", "quickstart.yaml", "--checkpoint", str(tmp_path / "nope")])

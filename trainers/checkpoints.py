@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Config, ConfigError
+from .tracking import read_metrics
 
 MANIFEST = "checkpoint.json"
 HF_DIR = "hf"  #: inside a checkpoint: the model's config.json and the tokenizer files
@@ -125,7 +126,7 @@ def scan(run_dir: Path) -> list[Found]:
     found = []
     for path in root.iterdir() if root.is_dir() else ():
         m = _NAME.match(path.name)
-        if m and path.is_dir() and bool(m[1]) == bool(m[3]):
+        if m and path.is_dir() and bool(m[1]) == bool(m[3]):  # checkpoint_<step> or .checkpoint_<step>.tmp
             found.append(Found(path, int(m[2]), problem(path)))
     return sorted(found, key=lambda f: (f.step, f.problem is None))
 
@@ -235,10 +236,7 @@ def _holds_run(out: Path, complete: list[Found]) -> bool:
     if complete:
         return True
     metrics = out / "metrics.jsonl"
-    if not metrics.is_file():
-        return False
-    with metrics.open(encoding="utf-8") as f:
-        return any(json.loads(line).get("step", 0) > 0 for line in f if line.strip())
+    return metrics.is_file() and any(row["step"] > 0 for row in read_metrics(metrics))
 
 
 def _check_same_settings(cfg: Config, out: Path) -> None:

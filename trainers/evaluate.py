@@ -27,7 +27,7 @@ if __package__ in (None, ""):
 from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
 from trainers import checkpoints
-from trainers.config import load_config
+from trainers.config import ConfigError, load_config
 from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer
 from trainers.stopping import entry_point
 
@@ -51,8 +51,8 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def _overrides(args) -> list[str]:
+    """The command-line flags as recipe overrides (after the explicit --set ones)."""
     overrides = list(args.set)
     if args.model:
         overrides += [f"model.path={args.model}", f"tokenizer.name={args.tokenizer or args.model}"]
@@ -69,12 +69,20 @@ def main(argv=None) -> dict:
     if args.temperature is not None:
         overrides += ["eval.greedy=true"] if args.temperature == 0 else [
             "eval.greedy=false", f"rollout.temperature={args.temperature}"]
-    cfg = load_config(args.config, overrides + ["algorithm.name=grpo"], training=False)  # grpo: no critic to build
+    return overrides
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config, _overrides(args) + ["algorithm.name=grpo"], training=False)  # grpo: no critic
     temperature = 0.0 if cfg.eval.greedy else cfg.rollout.temperature
+    try:
+        checkpoint = checkpoints.resolve(args.checkpoint) if args.checkpoint else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"--checkpoint: {e}") from None
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     tokenizer = make_tokenizer(cfg)
     lm, _ = make_models(cfg, tokenizer, device)
-    checkpoint = checkpoints.resolve(args.checkpoint) if args.checkpoint else None
     if checkpoint is not None:
         _load_policy_weights(lm, checkpoint)
     make_eval_env = env_factory(cfg, tokenizer, eval_env=True)

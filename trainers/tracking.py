@@ -119,10 +119,22 @@ class Tracker:
             self._wandb.finish()
 
 
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a last line cut short (the process was killed while writing it) is left out."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1 or line.endswith("\n"):
+                raise ValueError(f"{path}, line {k + 1}: not a JSON row") from None
+    return rows
+
+
 def _keep_up_to(path: Path, step: int) -> list[dict]:
     """Rewrite `path` (atomically) without the rows of steps after `step`, which the resumed run logs again."""
-    with path.open(encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    rows = read_metrics(path)
     kept = [r for r in rows if r["step"] <= step]
     if len(kept) < len(rows):
         tmp = path.with_suffix(".jsonl.tmp")
