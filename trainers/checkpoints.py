@@ -154,18 +154,17 @@ def resolve(path: str | Path) -> Path:
 def policy_state_dict(checkpoint: Path) -> dict:
     """The policy LM's weights in a checkpoint, keyed as the Hugging Face model names them (accelerate saves the
     `PolicyModel`, i.e. ``lm.``-prefixed keys, ``module.lm.`` from a DDP-wrapped model)."""
-    files = sorted(checkpoint.glob("model.safetensors")) or sorted(checkpoint.glob("pytorch_model.bin"))
-    if not files:
-        raise FileNotFoundError(f"no model weights (model.safetensors) in {checkpoint}"
-                                + (": FSDP sharded state, not supported" if any(checkpoint.glob("*fsdp*")) else ""))
-    if files[0].suffix == ".safetensors":
+    if (checkpoint / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
-        state = load_file(str(files[0]))
-    else:
+        state = load_file(str(checkpoint / "model.safetensors"))
+    elif (checkpoint / "pytorch_model.bin").is_file():
         import torch
 
-        state = torch.load(files[0], map_location="cpu")
+        state = torch.load(checkpoint / "pytorch_model.bin", map_location="cpu")
+    else:
+        raise FileNotFoundError(f"no model weights (model.safetensors) in {checkpoint}"
+                                + (": FSDP sharded state, not supported" if any(checkpoint.glob("*fsdp*")) else ""))
     state = {k.removeprefix("module."): v for k, v in state.items()}
     return {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
 
