@@ -291,7 +291,7 @@ class ToolEnv(gym.Env):
             text, finish = assistant.text, assistant.finish_reason
         else:
             text, finish = turn.text if turn.text is not None else "", turn.finish_reason
-        parsed = self._parser.parse(text)
+        parsed = self._parser.parse(text, finish)
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
         openai_calls = [c.to_openai() for c in parsed.calls]

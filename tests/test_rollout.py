@@ -393,6 +393,6 @@ def test_a_tool_call_cut_by_the_token_limit_gets_an_error_and_another_turn(qwen2
     assert (record.parse_errors, record.tool_errors, record.tool_calls, record.turns) == (1, 1, 2, 3)
     second_prompt = fmt.decode(policy.log[1][0])
     assert second_prompt.endswith(cut_call + "<|im_end|>\n<|im_start|>user\n<tool_response>\nError: the tool call "
-                                  "was cut off before <\u200b/tool_call> (the turn probably hit its token limit)\n"
+                                  "was cut off before <\u200b/tool_call> (the turn hit its token limit)\n"
                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert record.success  # the expert found no result in the error, called again and answered
