@@ -129,7 +129,7 @@ def main():
     t_raw = timed(lambda: raw_step(lm, opt, data, args.micro), device, args.warmup, args.iters)
     cfg = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}",
                                          f"trainer.minibatch_size={args.batch}", "algorithm.kl_mode=loss",
-                                         "algorithm.kl_coef=0.001", "rollout.max_response_tokens=2048"])
+                                         "algorithm.kl_coef=0.001", "env.budget.max_response_tokens=2048"])
     policy = PolicyModel(lm)
     t_ours = timed(lambda: mt_env_step(policy, opt, accelerator, cfg, data), device, args.warmup, args.iters)
     raw_tps, ours_tps = tokens / t_raw, tokens / t_ours
@@ -156,7 +156,7 @@ def main():
             continue
         lm.config._attn_implementation = attn
         cfg_l = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}", f"trainer.minibatch_size={n}",
-                                               "rollout.max_response_tokens=2048", "algorithm.kl_mode=none",
+                                               "env.budget.max_response_tokens=2048", "algorithm.kl_mode=none",
                                                f"trainer.packed={layout == 'packed'}"])
         t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg_l, multi), device, 1, max(2, args.iters // 2))
         results[f"{layout}/{attn}"] = real / t

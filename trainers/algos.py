@@ -7,10 +7,15 @@ is masked: no statistic, loss or gradient ever sees a tool or template token.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+from .config import KLEstimator, LossAgg
+
+#: the choices, declared once as the config's `Literal` types
+LOSS_AGG_MODES = typing.get_args(LossAgg)
+KL_ESTIMATORS = typing.get_args(KLEstimator)
 
 
 # --------------------------------------------------------------------------------------------- masked statistics

@@ -3,10 +3,12 @@
 
     python trainers/evaluate.py --env GSM8kTool-v0 --model Qwen/Qwen2.5-0.5B-Instruct \\
         --env-kwargs '{"data_path": "../shared/data/gsm8k", "split": "test"}' --episodes 200
-    python trainers/evaluate.py --checkpoint runs/quickstart/checkpoints/checkpoint_0 --config quickstart.yaml
+    python trainers/evaluate.py --checkpoint runs/quickstart --config quickstart.yaml
 
-Episodes run through the same rollout driver as training (greedy by default; ``--samples k --temperature 1`` gives
-pass@k). With ``--checkpoint``, the model is rebuilt from the recipe and the checkpoint's weights are loaded.
+Episodes run through the same rollout driver as training, decoded as the recipe's ``eval`` section says (``greedy``,
+``samples``, ``seed``); the flags below override it (``--samples k --temperature 1`` gives pass@k). With
+``--checkpoint`` (a checkpoint directory, or a run directory for its newest complete checkpoint), the model is
+rebuilt from the recipe and the checkpoint's weights are loaded.
 """
 
 from __future__ import annotations
@@ -24,28 +26,33 @@ if __package__ in (None, ""):
 
 from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
-from trainers.config import load_config
+from trainers import checkpoints
+from trainers.config import ConfigError, load_config
 from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer
+from trainers.stopping import entry_point
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default=None, help="recipe YAML the model was trained with (tokenizer, env, budget)")
-    ap.add_argument("--checkpoint", default=None, help="a checkpoint directory written by trainers/ppo.py")
+    ap.add_argument("--checkpoint", default=None, help="a checkpoint directory written by trainers/ppo.py, or its run "
+                    "directory (the newest complete checkpoint)")
     ap.add_argument("--model", default=None, help="a Hugging Face model id or directory (instead of --checkpoint)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's, or the recipe's)")
     ap.add_argument("--env", default=None, help="Gymnasium id, e.g. GSM8kTool-v0 (default: the recipe's)")
     ap.add_argument("--env-kwargs", default=None, help="JSON dict of env keyword arguments")
-    ap.add_argument("--episodes", type=int, default=None)
-    ap.add_argument("--samples", type=int, default=1, help="samples per task (pass@k)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--episodes", type=int, default=None, help="held-out episodes (default: eval.episodes)")
+    ap.add_argument("--samples", type=int, default=None, help="samples per task, for pass@k (eval.samples)")
+    ap.add_argument("--temperature", type=float, default=None,
+                    help="0: greedy; above 0: sampled at this temperature (default: the recipe's eval.greedy and "
+                    "rollout.temperature)")
     ap.add_argument("--out", default=None, help="per-episode JSONL (default: <output_dir>/eval_episodes.jsonl)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
     return ap.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
+def _overrides(args) -> list[str]:
+    """The command-line flags as recipe overrides (after the explicit --set ones)."""
     overrides = list(args.set)
     if args.model:
         overrides += [f"model.path={args.model}", f"tokenizer.name={args.tokenizer or args.model}"]
@@ -55,28 +62,43 @@ def main(argv=None) -> dict:
         overrides.append(f"env.id={args.env}")
     if args.env_kwargs:
         overrides.append(f"env.eval_kwargs={args.env_kwargs}")
-    if args.episodes:
+    if args.episodes is not None:
         overrides.append(f"eval.episodes={args.episodes}")
-    cfg = load_config(args.config, overrides + ["algorithm.name=grpo"], training=False)  # grpo: no critic to build
+    if args.samples is not None:
+        overrides.append(f"eval.samples={args.samples}")
+    if args.temperature is not None:
+        overrides += ["eval.greedy=true"] if args.temperature == 0 else [
+            "eval.greedy=false", f"rollout.temperature={args.temperature}"]
+    return overrides
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config, _overrides(args) + ["algorithm.name=grpo"], training=False)  # grpo: no critic
+    temperature = 0.0 if cfg.eval.greedy else cfg.rollout.temperature
+    try:
+        checkpoint = checkpoints.resolve(args.checkpoint) if args.checkpoint else None
+    except FileNotFoundError as e:
+        raise ConfigError(f"--checkpoint: {e}") from None
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     tokenizer = make_tokenizer(cfg)
     lm, _ = make_models(cfg, tokenizer, device)
-    if args.checkpoint:
-        _load_policy_weights(lm, Path(args.checkpoint))
+    if checkpoint is not None:
+        _load_policy_weights(lm, checkpoint)
     make_eval_env = env_factory(cfg, tokenizer, eval_env=True)
     tasks = eval_tasks(cfg, make_eval_env().unwrapped)
-    backend = make_backend(cfg, lm, tokenizer, weights_changed=args.checkpoint is not None)
-    sampling = SamplingParams(temperature=args.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
+    backend = make_backend(cfg, lm, tokenizer, weights_changed=checkpoint is not None)
+    sampling = SamplingParams(temperature=temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.eval.seed, progress=True,
-                           max_concurrency=len(tasks) * args.samples)
-    result = driver.run(tasks, n=args.samples)
+                           max_concurrency=len(tasks) * cfg.eval.samples)
+    result = driver.run(tasks, n=cfg.eval.samples)
     episodes = result.episodes
     stats = result.summary()
     summary = {
         "episodes": len(episodes), "failed": int(result.metrics["rollout/failed"]),
         "skipped (prompt over budget)": int(result.metrics["rollout/skipped"]),
-        "success": stats["success"], f"pass@{args.samples}": stats["pass@n"],
+        "success": stats["success"], f"pass@{cfg.eval.samples}": stats["pass@n"],
         **{k: stats[k] for k in ("reward", "turns", "tool_call_rate", "tool_errors_per_episode")},
         "response_tokens": result.metrics["rollout/response_len_mean"],
         "wall_s": result.metrics["rollout/wall_s"],
@@ -87,8 +109,8 @@ def main(argv=None) -> dict:
         for e in episodes:
             f.write(json.dumps(e.to_dict(), ensure_ascii=False, default=str) + "\n")
     width = max(len(k) for k in summary)
-    print(f"\n{cfg.env.id} · {args.checkpoint or cfg.model.path or 'random init'} · "
-          f"{'greedy' if args.temperature == 0 else f'T={args.temperature}'}")
+    print(f"\n{cfg.env.id} · {checkpoint or cfg.model.path or 'random init'} · "
+          f"{'greedy' if temperature == 0 else f'T={temperature}'}")
     for k, v in summary.items():
         print(f"  {k:<{width}}  {v:.3f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
     print(f"per-episode records: {out}")
@@ -98,21 +120,11 @@ def main(argv=None) -> dict:
 
 
 def _load_policy_weights(lm: torch.nn.Module, checkpoint: Path) -> None:
-    """The policy's weights from an accelerate checkpoint (model.safetensors / pytorch_model.bin of PolicyModel)."""
-    files = sorted(checkpoint.glob("model*.safetensors")) or sorted(checkpoint.glob("pytorch_model*.bin"))
-    if not files:
-        raise FileNotFoundError(f"no model weights in {checkpoint}")
-    if files[0].suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        state = load_file(str(files[0]))
-    else:
-        state = torch.load(files[0], map_location="cpu")
-    state = {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
-    missing, unexpected = lm.load_state_dict(state, strict=False)
+    """The policy's weights from a checkpoint written by trainers/ppo.py."""
+    missing, unexpected = lm.load_state_dict(checkpoints.policy_state_dict(checkpoint), strict=False)
     if unexpected or [m for m in missing if "lm_head" not in m]:
         raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main))

@@ -47,11 +47,13 @@ from agents.policy import Policy, SamplingParams
 from agents.rollout import RolloutDriver
 from mt_env.batch import TrainBatch, collate, pack
 from trainers import algos
+from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
 from trainers.config import Config, load_config
 from trainers.modeling import PolicyModel
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
                             make_backend, make_models, make_tokenizer, sync_weights)
 from trainers.sft import demonstration_samples, sft_warm_start
+from trainers.stopping import EmptySteps, StopRequested, entry_point, resume_command
 from trainers.tracking import Tracker
 
 
@@ -65,83 +67,75 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.set)
-    run = build(cfg)
+    accelerator, plan = open_run(cfg)  # a new run, a resume from its newest complete checkpoint, or nothing to do
+    if plan.finished:
+        return plan.state.summary()
+    run = build(cfg, accelerator, plan)
     acc, t = run.accelerator, cfg.trainer
-    if run.state.step == 0:
+    if run.state.first_eval is None:
         evaluate(run, 0)  # the starting level (after SFT): what RL has to beat
 
-    while run.state.step < t.total_steps:
-        step, step_start = run.state.step + 1, time.perf_counter()
+    with StopRequested(announce=acc.is_main_process) as stop:  # Ctrl-C: stop at the next step, with a checkpoint
+        while run.state.step < t.total_steps and not stop.agreed(acc):
+            step, step_start = run.state.step + 1, time.perf_counter()
 
-        # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
-        tasks = run.tasks.next(cfg.rollout.prompts_per_step)[acc.process_index::acc.num_processes]
-        result = run.driver.run(tasks, n=cfg.rollout.n, step=step)
-        metrics = dict(result.metrics, **{"perf/rollout_s": time.perf_counter() - step_start})
-        # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
-        if _global(acc, sum(sum(s.loss_mask()) for s in result.samples), "min") == 0:
-            run.tracker.message(f"step {step}: skipping the update: no trainable tokens ("
-                                f"{metrics['rollout/failed']:.0f} failed, {metrics['rollout/skipped']:.0f} skipped "
-                                f"of {len(result.episodes)} episodes)")
+            # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
+            tasks = run.tasks.next(cfg.rollout.prompts_per_step)[acc.process_index::acc.num_processes]
+            result = run.driver.run(tasks, n=cfg.rollout.n, step=step)
+            metrics = dict(result.metrics, **{"perf/rollout_s": time.perf_counter() - step_start})
+            # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
+            if _global(acc, sum(sum(s.loss_mask()) for s in result.samples), "min") == 0:
+                run.tracker.message(f"step {step}: skipping the update: no trainable tokens ("
+                                    f"{metrics['rollout/failed']:.0f} failed, {metrics['rollout/skipped']:.0f} "
+                                    f"skipped of {len(result.episodes)} episodes)")
+                run.state.step = step
+                metrics = log_metrics(run, step, metrics)
+                run.empty_steps.add(step, metrics, result.episodes)  # a few in a row stop the run, naming the cause
+                continue
+            batch = collate(result.samples, run.tokenizer.pad_token_id).to(acc.device)
+
+            # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
+            update_start = time.perf_counter()
+            batch = score(batch, run.models, cfg)
+            metrics.update(logprob_mismatch(batch))
+
+            # 3. REWARDS and 4. ADVANTAGES
+            batch, advantage_stats = estimate_advantages(batch, cfg)
+            metrics.update(advantage_stats)
+            if not all(torch.isfinite(x[batch.loss_mask > 0]).all() for x in (batch.old_logprobs, batch.advantages)):
+                run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages")
+                run.state.step = step
+                continue
+
+            # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the backend's weights
+            metrics.update(update(batch, run.models, acc, cfg, step))
+            run.models.scheduler.step()
+            update_s = time.perf_counter() - update_start
+            sync = sync_backend(run)
+
+            # 6. LOG, EVALUATE, CHECKPOINT
             run.state.step = step
+            metrics.update({
+                "perf/step_s": time.perf_counter() - step_start, "perf/update_s": update_s,
+                "perf/update_tokens_per_s": float(batch.attention_mask.sum()) * t.epochs / max(update_s, 1e-9),
+                "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
+                "dist/processes": acc.num_processes,
+            })
             log_metrics(run, step, metrics)
-            continue
-        batch = collate(result.samples, run.tokenizer.pad_token_id).to(acc.device)
-
-        # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
-        update_start = time.perf_counter()
-        batch = score(batch, run.models, cfg)
-        metrics.update(logprob_mismatch(batch))
-
-        # 3. REWARDS and 4. ADVANTAGES
-        batch, advantage_stats = estimate_advantages(batch, cfg)
-        metrics.update(advantage_stats)
-        if not all(torch.isfinite(x[batch.loss_mask > 0]).all() for x in (batch.old_logprobs, batch.advantages)):
-            run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages in the batch")
-            run.state.step = step
-            continue
-
-        # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the generation backend's weights
-        metrics.update(update(batch, run.models, acc, cfg, step))
-        run.models.scheduler.step()
-        update_s = time.perf_counter() - update_start
-        sync = sync_backend(run)
-
-        # 6. LOG, EVALUATE, CHECKPOINT
-        run.state.step = step
-        metrics.update({
-            "perf/step_s": time.perf_counter() - step_start, "perf/update_s": update_s,
-            "perf/update_tokens_per_s": float(batch.attention_mask.sum()) * t.epochs / max(update_s, 1e-9),
-            "perf/elapsed_s": time.perf_counter() - run.start, "actor/lr": run.models.scheduler.get_last_lr()[0],
-            "dist/processes": acc.num_processes,
-        })
-        log_metrics(run, step, metrics)
-        if step == 1:
-            run.tracker.message(f"weights: {sync}")
-        last = step == t.total_steps or _out_of_time(cfg, run.start)
-        if (t.eval_every and step % t.eval_every == 0) or last:
-            evaluate(run, step)
-        if (t.save_every and step % t.save_every == 0) or last:
-            save_checkpoint(run)
-        if last and step < t.total_steps:
-            run.tracker.message(f"stopping at step {step}: time limit {t.time_limit_s:.0f}s reached")
-            break
-    return finish(run, args.config)
+            if step == 1:
+                run.tracker.message(f"weights: {sync}")
+            last = step == t.total_steps or _out_of_time(cfg, run.start)
+            if (t.eval_every and step % t.eval_every == 0) or last:
+                evaluate(run, step)
+            if (t.save_every and step % t.save_every == 0) or last:
+                save_checkpoint(run)
+            if last and step < t.total_steps:
+                run.tracker.message(f"stopping at step {step}: time limit {t.time_limit_s:.0f}s reached")
+                break
+    return finish(run, args.config, stopped_by=stop.name, argv=sys.argv[1:] if argv is None else argv)
 
 
 # ================================================================================================== the run
-class TrainState:
-    """What a checkpoint needs besides models, optimizers, schedulers and RNG states (accelerate saves those)."""
-
-    def __init__(self):
-        self.step = 0
-
-    def state_dict(self):
-        return {"step": self.step}
-
-    def load_state_dict(self, state):
-        self.step = int(state["step"])
-
-
 @dataclass
 class Models:
     """The models of a run as accelerate prepared them: the policy (a `PolicyModel`), PPO's critic, the frozen KL
@@ -176,23 +170,34 @@ class Run:
     eval_driver: RolloutDriver
     tasks: TaskSource  #: training tasks, with a position that checkpoints restore
     held_out: list[dict]  #: evaluation tasks
-    state: TrainState
-    start: float  #: `time.perf_counter()` when the run started (time limit, elapsed time)
-    evals: dict = field(default_factory=dict)  #: the first and the latest evaluation's metrics
+    state: RunState  #: the step, the run's clock and its evaluations: saved in every checkpoint's manifest
+    checkpointer: Checkpointer
+    start: float  #: `time.perf_counter()` when this session started (`trainer.time_limit_s`)
+    empty_steps: EmptySteps = field(default_factory=EmptySteps)  #: steps in a row that trained nothing
 
 
-def build(cfg: Config) -> Run:
-    """The run described by `cfg`: processes, tracker, tokenizer, envs and tasks, models and optimizers (after the
-    SFT warm start, or restored from a checkpoint), the generation backend and the rollout drivers."""
+def open_run(cfg: Config) -> tuple[Accelerator, RunPlan]:
+    """The processes, and what this command does with output_dir (`trainers.checkpoints.plan_run`): start a run,
+    resume one, or nothing if it is finished; the main process says which, and why."""
+    accelerator = make_accelerator(cfg)
+    plan = plan_run(cfg)
+    for note in plan.notes:  # which checkpoint it resumes from and why it skipped others, or that it is finished
+        accelerator.print(note)
+    accelerator.wait_for_everyone()  # every process has read the run directory before the main one writes to it
+    return accelerator, plan
+
+
+def build(cfg: Config, accelerator: Accelerator, plan: RunPlan) -> Run:
+    """The run described by `cfg` and `plan`: tracker, tokenizer, envs and tasks, models and optimizers (after the
+    SFT warm start, or restored from the plan's checkpoint), the generation backend and the rollout drivers."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    out = Path(cfg.output_dir)
-    accelerator = make_accelerator(cfg)
     set_seed(cfg.seed, device_specific=False)
-    resume_dir = _resume_dir(cfg, out)
-    tracker = Tracker(out, cfg.to_dict(), enabled=accelerator.is_main_process, jsonl=cfg.logging.jsonl,
-                      tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                      wandb_project=cfg.logging.wandb_project, resume=resume_dir is not None)
+    state, resuming = plan.state, plan.checkpoint is not None
+    tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=accelerator.is_main_process,
+                      jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
+                      wandb_project=cfg.logging.wandb_project, resume_step=state.step if resuming else None,
+                      clock=state.elapsed)
     start = time.perf_counter()
     tokenizer = make_tokenizer(cfg)
     make_env, make_eval_env = env_factory(cfg, tokenizer), env_factory(cfg, tokenizer, eval_env=True)
@@ -200,21 +205,19 @@ def build(cfg: Config) -> Run:
     tasks = TaskSource(probe_env, seed=cfg.seed)
     held_out = eval_tasks(cfg, make_eval_env().unwrapped)
     models = _trainable_models(cfg, tokenizer, accelerator)
-    state = TrainState()
-    accelerator.register_for_checkpointing(tasks, state)
+    accelerator.register_for_checkpointing(tasks)
     lm = accelerator.unwrap_model(models.policy).lm
-    if cfg.sft.steps and resume_dir is None:
+    checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer)
+    if cfg.sft.steps and not resuming:
         _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker)
     # the KL reference is the policy as RL starts (after SFT); a checkpoint restores it with everything else
     if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0:
         models.reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer))
         accelerator.register_for_checkpointing(models.reference)
-    if resume_dir is not None:
-        accelerator.load_state(str(resume_dir))
-        accelerator.project_configuration.iteration = int(resume_dir.name.rsplit("_", 1)[-1]) + 1  # next checkpoint
-        tracker.message(f"resumed from {resume_dir} at step {state.step}")
+    if resuming:
+        accelerator.load_state(str(plan.checkpoint))
 
-    weights_changed = bool(cfg.sft.steps) or resume_dir is not None or not cfg.model.path
+    weights_changed = bool(cfg.sft.steps) or resuming or not cfg.model.path
     backend = make_backend(cfg, lm, tokenizer, weights_changed, accelerator.local_process_index)
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
@@ -226,7 +229,7 @@ def build(cfg: Config) -> Run:
                                 max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
     return Run(cfg=cfg, accelerator=accelerator, tracker=tracker, tokenizer=tokenizer, models=models, lm=lm,
                backend=backend, driver=driver, eval_driver=eval_driver, tasks=tasks, held_out=held_out, state=state,
-               start=start)
+               checkpointer=checkpointer, start=start)
 
 
 def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator) -> Models:
@@ -247,7 +250,9 @@ def _warm_start(cfg: Config, make_env, demo_source: TaskSource, policy, accelera
     """SFT on the env's demonstrations, played through the env (its own task stream, disjoint from training's)."""
     demo_tasks = demo_source.next(min(4096, cfg.sft.steps * cfg.sft.batch_size))
     samples = demonstration_samples(make_env, demo_tasks, cfg.sft.demo_skill, cfg.seed)
-    optimizer = accelerator.prepare(torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr))
+    # not passed to accelerator.prepare: prepared optimizers go into every checkpoint, and this one is dead once RL
+    # starts (the prepared policy already synchronises gradients across processes); it is freed on return
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr)
     tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), {cfg.sft.steps} steps")
     pad = demo_source.env.tokenizer.pad_token_id
     stats = sft_warm_start(policy, optimizer, samples, pad, cfg.sft.steps, cfg.sft.batch_size, accelerator, tracker,
@@ -391,7 +396,7 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
         loss_mask = batch.loss_mask[rows]
         norms = {"norm_tokens": _global(accelerator, loss_mask.sum(), "sum") / world,
                  "norm_seqs": _global(accelerator, (loss_mask.sum(-1) > 0).sum(), "sum") / world,
-                 "constant": cfg.rollout.max_response_tokens}
+                 "constant": cfg.env.budget.max_response_tokens}
         micro = list(rows.split(t.micro_batch_size)) or [rows]
         micro += [rows[:0]] * (int(_global(accelerator, len(micro), "max")) - len(micro))
         yield MiniBatch([(m, 1.0) if m.numel() else (rows[:1], 0.0) for m in micro], norms)
@@ -436,34 +441,41 @@ def evaluate(run: Run, step: int) -> dict:
     run.tracker.log(step, metrics, console=False)
     run.tracker.message(f"eval  {step:>4} | success {metrics['val/success']:.3f} | reward {metrics['val/reward']:.3f} "
                         f"| tool calls {metrics['val/tool_call_rate']:.2f} | turns {metrics['val/turns']:.2f}")
-    run.evals.setdefault("first", metrics)
-    run.evals["last"] = metrics
+    run.state.record_eval(metrics)
     return metrics
 
 
-def log_metrics(run: Run, step: int, metrics: dict) -> None:
-    """One step's metrics, combined over the processes, to the console, metrics.jsonl and any trackers."""
-    run.tracker.log(step, reduce_metrics(run.accelerator, metrics))
+def log_metrics(run: Run, step: int, metrics: dict) -> dict:
+    """One step's metrics, combined over the processes, to the console, metrics.jsonl and any trackers; returns
+    the combined metrics."""
+    metrics = reduce_metrics(run.accelerator, metrics)
+    run.tracker.log(step, metrics)
+    return metrics
 
 
-def save_checkpoint(run: Run) -> None:
-    """Models, optimizers, schedulers, RNG states, the task stream's position and the step (`accelerate`)."""
-    run.accelerator.save_state()
+def save_checkpoint(run: Run) -> Path:
+    """An atomic checkpoint of this step (`trainers.checkpoints`): models, optimizers, schedulers, RNG states and
+    the task stream's position (accelerate), the model's config and tokenizer, and the run's progress."""
+    return run.checkpointer.save(run.state)
 
 
-def finish(run: Run, config_name: str) -> dict:
-    """Plot, say how it went, close everything; returns the run's summary."""
+def finish(run: Run, config_name: str, stopped_by: str | None = None, argv: list[str] | None = None) -> dict:
+    """Plot, say how it went, close everything; returns the run's summary. A run stopped by a signal (`stopped_by`)
+    is checkpointed at this step boundary first, with the command that continues it (`argv`: this one's)."""
     cfg = run.cfg
     out = Path(cfg.output_dir)
-    summary = {"steps": run.state.step, "elapsed_s": time.perf_counter() - run.start,
-               "start_val_success": run.evals.get("first", {}).get("val/success"),
-               "final_val_success": run.evals.get("last", {}).get("val/success")}
+    summary = run.state.summary()
+    if stopped_by:
+        summary["stopped_by"] = stopped_by
+        saved = save_checkpoint(run)
+        run.tracker.message(f"{stopped_by}: stopped at step {run.state.step}, checkpoint {saved}. To continue, run "
+                            f"the same command: {resume_command(argv or [], cfg.trainer.resume)}")
     if cfg.logging.plot:
         path = run.tracker.plot(f"{cfg.env.id} · {cfg.algorithm.name.upper()} · {Path(config_name).stem}")
         summary["curves"] = str(path) if path else None
     run.tracker.message(
-        f"done: {summary['steps']} steps in {summary['elapsed_s']:.0f}s | held-out success "
-        f"{_pct(summary['start_val_success'])} (before RL) -> {_pct(summary['final_val_success'])} | "
+        f"{'stopped' if stopped_by else 'done'}: {summary['steps']} steps in {summary['elapsed_s']:.0f}s | held-out "
+        f"success {_pct(summary['start_val_success'])} (before RL) -> {_pct(summary['final_val_success'])} | "
         f"metrics {out / 'metrics.jsonl'}" + (f" | curves {summary.get('curves')}" if summary.get("curves") else ""))
     run.tracker.close()
     run.driver.close()
@@ -510,18 +522,6 @@ def _global(accelerator, x, op: str) -> float:
     return float(gathered.min() if op == "min" else gathered.max())
 
 
-def _resume_dir(cfg: Config, out: Path) -> Path | None:
-    if not cfg.trainer.resume:
-        return None
-    if cfg.trainer.resume != "auto":
-        path = Path(cfg.trainer.resume)
-        if not path.is_dir():
-            raise FileNotFoundError(f"trainer.resume: no checkpoint at {path}")
-        return path
-    checkpoints = sorted((out / "checkpoints").glob("checkpoint_*"), key=lambda p: int(p.name.split("_")[-1]))
-    return checkpoints[-1] if checkpoints else None
-
-
 def _out_of_time(cfg: Config, start: float) -> bool:
     return cfg.trainer.time_limit_s is not None and time.perf_counter() - start > cfg.trainer.time_limit_s
 
@@ -531,4 +531,4 @@ def _pct(x) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main))

@@ -7,6 +7,7 @@ Kept out of `ppo.py` so the algorithm there reads top to bottom; nothing here is
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration
+from accelerate.utils import DistributedType
 
 import mt_env  # noqa: F401  (registers the envs)
+from mt_env.conversation import TokenBudget
 from mt_env.env import ToolEnv
 from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokenizer
 
@@ -31,11 +33,11 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # --------------------------------------------------------------------------------------------- processes
 def make_accelerator(cfg: Config) -> Accelerator:
-    """One process, or DDP/FSDP under ``accelerate launch``; checkpoints go to ``<output_dir>/checkpoints``. Checks
-    that the global batch sizes split between the processes."""
+    """One process, or DDP/FSDP under ``accelerate launch`` (checkpoints are named and kept by
+    `trainers.checkpoints.Checkpointer`, not by accelerate). Checks that the global batch sizes split between the
+    processes."""
     cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=cpu, project_config=ProjectConfiguration(
-        project_dir=str(Path(cfg.output_dir)), automatic_checkpoint_naming=True, total_limit=cfg.trainer.keep_last))
+    accelerator = Accelerator(cpu=cpu)
     world = accelerator.num_processes
     for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
                         ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
@@ -97,14 +99,10 @@ def env_factory(cfg: Config, tokenizer, eval_env: bool = False) -> Callable[[], 
     kwargs = dict(cfg.env.kwargs)
     if eval_env:
         kwargs.update(cfg.env.eval_kwargs)
-    budget = dict(max_prompt_tokens=cfg.rollout.max_prompt_tokens, max_response_tokens=cfg.rollout.max_response_tokens,
-                  max_total_tokens=cfg.rollout.max_total_tokens,
-                  max_observation_tokens=cfg.rollout.max_observation_tokens,
-                  observation_keep=cfg.rollout.observation_keep)
     kwargs.setdefault("max_turns", cfg.rollout.max_turns)
     kwargs.setdefault("max_parallel_tools", cfg.rollout.max_parallel_tools)
     kwargs.setdefault("mode", cfg.rollout.mode)
-    kwargs["budget"] = budget
+    kwargs["budget"] = TokenBudget(**dataclasses.asdict(cfg.env.budget))  # the only source (env.kwargs has none)
     kwargs["tokenizer"] = tokenizer
     return lambda: gym.make(cfg.env.id, **kwargs)
 

@@ -39,7 +39,8 @@ def demonstration_samples(make_env, tasks: list[dict], skill: float, seed: int) 
         samples += env.conversation.samples()
     env.close()
     if not samples:
-        raise BudgetError(f"all {skipped} demonstration prompts are over the token budget (rollout.max_prompt_tokens)")
+        raise BudgetError(f"all {skipped} demonstration prompts are over the token budget "
+                          f"(env.budget.max_prompt_tokens)")
     return samples
 
 

@@ -1,11 +1,16 @@
 """Metrics out of the trainer: a console line per step, ``metrics.jsonl``, optional TensorBoard / W&B, and the
-reward / success curve PNG at the end of a run."""
+reward / success curve PNG at the end of a run.
+
+A resumed run's ``metrics.jsonl`` reads as one run: the rows logged after the checkpoint it resumes from (steps that
+run again) are dropped, and ``time_s`` is the run's clock (`RunState.elapsed`), which continues across sessions."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,24 +25,27 @@ CONSOLE = {
 
 class Tracker:
     def __init__(self, output_dir: str | Path, config: dict, enabled: bool = True, jsonl: bool = True,
-                 tensorboard: bool = False, wandb: bool = False, wandb_project: str = "mt_env", resume: bool = False):
+                 tensorboard: bool = False, wandb: bool = False, wandb_project: str = "mt_env",
+                 resume_step: int | None = None, clock: Callable[[], float] | None = None):
+        """`resume_step`: continue the metrics of a run resumed from that step's checkpoint (None: a new run).
+        `clock`: seconds since the run started (default: since this tracker was made)."""
         self.dir = Path(output_dir)
         self.enabled = enabled
         self.history: list[dict] = []
         self._jsonl = None
         self._tb = None
         self._wandb = None
-        self.start = time.time()
+        start = time.perf_counter()
+        self.clock = clock or (lambda: time.perf_counter() - start)
         if not enabled:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         if jsonl:
             path = self.dir / "metrics.jsonl"
-            if resume and path.is_file():
-                with path.open(encoding="utf-8") as f:
-                    self.history = [json.loads(line) for line in f if line.strip()]
-            self._jsonl = path.open("a" if resume else "w", encoding="utf-8")
+            if resume_step is not None and path.is_file():
+                self.history = _keep_up_to(path, resume_step)
+            self._jsonl = path.open("a" if resume_step is not None else "w", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -50,7 +58,7 @@ class Tracker:
     def log(self, step: int, metrics: dict[str, Any], console: bool = True) -> None:
         if not self.enabled:
             return
-        row = {"step": step, "time_s": round(time.time() - self.start, 2),
+        row = {"step": step, "time_s": round(self.clock(), 2),
                **{k: _clean(v) for k, v in metrics.items()}}
         self.history.append(row)
         if self._jsonl:
@@ -109,6 +117,33 @@ class Tracker:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a last line cut short (the process was killed while writing it) is left out."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1 or line.endswith("\n"):
+                raise ValueError(f"{path}, line {k + 1}: not a JSON row") from None
+    return rows
+
+
+def _keep_up_to(path: Path, step: int) -> list[dict]:
+    """Rewrite `path` (atomically) without the rows of steps after `step`, which the resumed run logs again."""
+    rows = read_metrics(path)
+    kept = [r for r in rows if r["step"] <= step]
+    if len(kept) < len(rows):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        dropped = sorted({r["step"] for r in rows if r["step"] > step})
+        print(f"metrics.jsonl: dropped {len(rows) - len(kept)} rows of steps {dropped[0]}-{dropped[-1]}, logged "
+              f"after the checkpoint of step {step} (they run again)", flush=True)
+    return kept
 
 
 def _clean(v: Any) -> Any:

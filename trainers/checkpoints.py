@@ -1,0 +1,338 @@
+"""The run directory and its checkpoints: what running a command again does, atomic saves, and resuming from the
+newest *complete* checkpoint.
+
+A run directory (``output_dir``) holds::
+
+    config.json                the resolved config of the run
+    metrics.jsonl              a row per step and per evaluation (trainers/tracking.py)
+    checkpoints/
+      checkpoint_<step>/       a complete checkpoint: accelerate's state (model.safetensors, optimizer.bin, RNG
+                               and task-stream states, ...), hf/ (the model's config.json and the tokenizer: what
+                               trainers/export.py needs) and checkpoint.json, written last
+      .checkpoint_<step>.tmp/  a save in progress, or one killed half-way: never resumed from
+
+**Saves are atomic.** Everything is written into the ``.tmp`` directory, then `checkpoint.json` (the run's
+progress, `RunState`, and the size of every file), and only then is the directory renamed to ``checkpoint_<step>``.
+A checkpoint is complete when its name has no ``.tmp`` and every file its manifest lists is there with its size.
+Only complete checkpoints are resumed from and counted by ``trainer.keep_last``.
+
+**Running a command again** (`plan_run`, ``trainer.resume``):
+
+* ``auto`` (the default): an output_dir without a run starts one. One whose newest complete checkpoint reached
+  ``trainer.total_steps`` is finished: the command says so and exits at once (raise ``total_steps`` to extend it).
+  Otherwise the run resumes from that checkpoint, saying which one it took and why it skipped any other. A run that
+  logged RL steps but has no complete checkpoint is refused at start (starting over would replace its metrics),
+  with the ``--set output_dir=...`` that starts a new run instead. A resumed run may change only `RESUMABLE`
+  settings; other differences are refused, named.
+* a checkpoint path: resume from it into output_dir, which must be its own run (and it the newest complete
+  checkpoint there) or hold no run (a fork).
+* ``null``: never resume: an output_dir that holds a run is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Config, ConfigError
+from .tracking import read_metrics
+
+MANIFEST = "checkpoint.json"
+HF_DIR = "hf"  #: inside a checkpoint: the model's config.json and the tokenizer files
+_NAME = re.compile(r"^(\.?)checkpoint_(\d+)(\.tmp)?$")
+
+#: settings a resumed run may change (prefixes of dotted keys); anything else must equal the run's
+RESUMABLE = ("trainer.total_steps", "trainer.time_limit_s", "trainer.resume", "trainer.eval_every",
+             "trainer.save_every", "trainer.keep_last", "threads", "device", "logging.", "rollout.max_batch_size",
+             "rollout.server_urls", "rollout.engine_kwargs", "rollout.backend")
+
+
+class RunDirError(ConfigError):
+    """output_dir cannot be used as asked; the message names the setting that fixes it."""
+
+
+@dataclass
+class RunState:
+    """The run's progress, saved in each checkpoint's manifest: the step, the wall time of the whole run, and the
+    first and latest held-out evaluations (the first is the "before RL" figure, whatever resumes came after)."""
+
+    step: int = 0
+    prior_s: float = 0.0  #: wall time of the sessions before this one
+    first_eval: dict | None = None
+    last_eval: dict | None = None
+    _session_start: float = field(default_factory=time.perf_counter, repr=False, compare=False)
+
+    def elapsed(self) -> float:
+        """Seconds of the whole run so far: the earlier sessions plus this one."""
+        return self.prior_s + time.perf_counter() - self._session_start
+
+    def record_eval(self, metrics: dict) -> None:
+        if self.first_eval is None:
+            self.first_eval = metrics
+        self.last_eval = metrics
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "elapsed_s": self.elapsed(), "first_eval": self.first_eval,
+                "last_eval": self.last_eval}
+
+    @classmethod
+    def from_json(cls, data: dict) -> RunState:
+        return cls(step=int(data["step"]), prior_s=float(data["elapsed_s"]), first_eval=data.get("first_eval"),
+                   last_eval=data.get("last_eval"))
+
+    def summary(self) -> dict:
+        return {"steps": self.step, "elapsed_s": self.elapsed(),
+                "start_val_success": (self.first_eval or {}).get("val/success"),
+                "final_val_success": (self.last_eval or {}).get("val/success")}
+
+
+# ================================================================================================== finding
+@dataclass
+class Found:
+    """A checkpoint directory, with why it cannot be resumed from (`problem`), or None when complete."""
+
+    path: Path
+    step: int
+    problem: str | None
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint directory `path` is not complete, or None."""
+    if path.name.endswith(".tmp"):
+        return "its save did not finish"
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"no {MANIFEST} (its save did not finish, or an older trainer wrote it)"
+    except (ValueError, KeyError):
+        return f"{MANIFEST} is unreadable"
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, not {size}"
+    return None
+
+
+def scan(run_dir: Path) -> list[Found]:
+    """Every checkpoint directory of a run, complete or not, oldest step first."""
+    root = Path(run_dir) / "checkpoints"
+    found = []
+    for path in root.iterdir() if root.is_dir() else ():
+        m = _NAME.match(path.name)
+        if m and path.is_dir() and bool(m[1]) == bool(m[3]):  # checkpoint_<step> or .checkpoint_<step>.tmp
+            found.append(Found(path, int(m[2]), problem(path)))
+    return sorted(found, key=lambda f: (f.step, f.problem is None))
+
+
+def read_state(checkpoint: Path) -> RunState:
+    return RunState.from_json(json.loads((checkpoint / MANIFEST).read_text())["state"])
+
+
+def resolve(path: str | Path) -> Path:
+    """A complete checkpoint from a checkpoint directory or a run directory (then its newest complete one)."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"no checkpoint or run directory at {path}")
+    if _NAME.match(path.name):
+        why = problem(path)
+        if why:
+            raise FileNotFoundError(f"{path} is not a complete checkpoint: {why}")
+        return path
+    complete = [f for f in scan(path) if f.problem is None]
+    if not complete:
+        raise FileNotFoundError(f"{path}: no complete checkpoint in {path / 'checkpoints'}")
+    return complete[-1].path
+
+
+def policy_state_dict(checkpoint: Path) -> dict:
+    """The policy LM's weights in a checkpoint, keyed as the Hugging Face model names them (accelerate saves the
+    `PolicyModel`, i.e. ``lm.``-prefixed keys, ``module.lm.`` from a DDP-wrapped model)."""
+    if (checkpoint / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        state = load_file(str(checkpoint / "model.safetensors"))
+    elif (checkpoint / "pytorch_model.bin").is_file():
+        import torch
+
+        state = torch.load(checkpoint / "pytorch_model.bin", map_location="cpu")
+    else:
+        raise FileNotFoundError(f"no model weights (model.safetensors) in {checkpoint}"
+                                + (": FSDP sharded state, not supported" if any(checkpoint.glob("*fsdp*")) else ""))
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    return {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+
+
+# ================================================================================================== the run plan
+@dataclass
+class RunPlan:
+    """What this command does with its output_dir: a new run, a resume from `checkpoint`, or nothing (`finished`)."""
+
+    out: Path
+    state: RunState
+    checkpoint: Path | None = None
+    finished: bool = False
+    notes: list[str] = field(default_factory=list)  #: what was decided and why, for the log
+
+
+def plan_run(cfg: Config) -> RunPlan:
+    """Decide from the files alone (no process writes anything here): see the module docstring."""
+    out = Path(cfg.output_dir)
+    found = scan(out)
+    complete = [f for f in found if f.problem is None]
+    skipped = [f"skipped {f.path}: {f.problem}" for f in found if f.problem]
+    resume = cfg.trainer.resume
+    if resume not in (None, "auto"):
+        checkpoint = _checked_path(Path(resume), out, complete)
+    elif not _holds_run(out, complete):
+        return RunPlan(out, RunState())
+    elif resume is None:
+        raise RunDirError(f"{out} already holds a run and trainer.resume is null: resume it with --set "
+                          f"trainer.resume=auto, or start a new run with --set output_dir={_free_name(out)}")
+    elif not complete:
+        raise RunDirError(f"{out} holds a run that logged RL steps but has no complete checkpoint to resume from"
+                          f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; starting over would replace its "
+                          f"metrics: start a new run with --set output_dir={_free_name(out)} (or delete {out})")
+    else:
+        checkpoint = complete[-1].path
+    if checkpoint.resolve().parent.parent == out.resolve():
+        _check_same_settings(cfg, out)
+    state = read_state(checkpoint)
+    if state.step >= cfg.trainer.total_steps:
+        return RunPlan(out, state, checkpoint, finished=True, notes=[
+            f"{out} already holds a finished run: {state.step} steps (trainer.total_steps={cfg.trainer.total_steps}),"
+            f" held-out success {_pct(state.summary()['start_val_success'])} (before RL) -> "
+            f"{_pct(state.summary()['final_val_success'])}. Nothing to do: raise trainer.total_steps to train it "
+            f"further, or start a new run with --set output_dir={_free_name(out)}"])
+    return RunPlan(out, state, checkpoint, notes=[*skipped, f"resuming from {checkpoint} (step {state.step})"])
+
+
+def _checked_path(checkpoint: Path, out: Path, complete: list[Found]) -> Path:
+    """An explicit trainer.resume path: a complete checkpoint of this run (its newest), or a fork into a new dir."""
+    why = problem(checkpoint) if checkpoint.is_dir() else "no such directory"
+    if why:
+        raise RunDirError(f"trainer.resume={checkpoint} is not a complete checkpoint: {why}")
+    own = checkpoint.resolve().parent.parent == out.resolve()
+    if own and checkpoint.resolve() != complete[-1].path.resolve():
+        raise RunDirError(f"trainer.resume={checkpoint} is older than {out}'s newest checkpoint {complete[-1].path}: "
+                          f"continuing from it here would mix two histories; fork it with "
+                          f"--set output_dir={_free_name(out)}")
+    if not own and _holds_run(out, complete):
+        raise RunDirError(f"{out} holds another run: resuming {checkpoint} there would mix two runs; choose a new "
+                          f"directory with --set output_dir={_free_name(out)}")
+    return checkpoint
+
+
+def _holds_run(out: Path, complete: list[Found]) -> bool:
+    """A run worth keeping: a complete checkpoint, or metrics of RL steps. What comes before the first RL step (the
+    SFT warm start, the first evaluation) is computed again, identically, by starting over."""
+    if complete:
+        return True
+    metrics = out / "metrics.jsonl"
+    return metrics.is_file() and any(row["step"] > 0 for row in read_metrics(metrics))
+
+
+def _check_same_settings(cfg: Config, out: Path) -> None:
+    path = out / "config.json"
+    if not path.is_file():
+        return
+    before, now = _flat(json.loads(path.read_text())), _flat(cfg.to_dict())
+    changed = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(before.keys() | now.keys())
+               if before.get(k) != now.get(k) and not k.startswith(RESUMABLE)]
+    if changed:
+        raise RunDirError(f"{out} holds a run with other settings ({'; '.join(changed[:5])}): resume it with its own "
+                          f"settings, or start a new run with --set output_dir={_free_name(out)}")
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _free_name(out: Path) -> str:
+    k = 2
+    while Path(f"{out}-{k}").exists():
+        k += 1
+    return f"{out}-{k}"
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.1f}%"
+
+
+# ================================================================================================== saving
+class Checkpointer:
+    """Saves the run's checkpoints atomically and keeps the newest `keep_last` complete ones.
+
+    Every process takes part in accelerate's `save_state` (each writes its RNG state); the main process writes the
+    Hugging Face files and the manifest, renames the directory and prunes."""
+
+    def __init__(self, accelerator, plan: RunPlan, keep_last: int, lm, tokenizer):
+        self.accelerator = accelerator
+        self.dir = plan.out / "checkpoints"
+        self.keep_last = keep_last
+        self.lm = lm
+        self.tokenizer = tokenizer
+        self.saved_step = plan.state.step if plan.checkpoint is not None else None
+
+    def save(self, state: RunState) -> Path:
+        """Checkpoint `state.step` (nothing is written if that step is already saved); returns its directory."""
+        final = self.dir / f"checkpoint_{state.step}"
+        if state.step == self.saved_step:
+            return final
+        acc = self.accelerator
+        tmp = self.dir / f".checkpoint_{state.step}.tmp"
+        if acc.is_main_process:
+            for stale in self.dir.glob(".checkpoint_*.tmp"):  # saves that were killed
+                shutil.rmtree(stale)
+            tmp.mkdir(parents=True)
+        acc.wait_for_everyone()
+        acc.save_state(str(tmp))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            self.lm.config.save_pretrained(tmp / HF_DIR)
+            self.lm.generation_config.save_pretrained(tmp / HF_DIR)
+            self.tokenizer.save_pretrained(tmp / HF_DIR)
+            _write_manifest(tmp, state)
+            _publish(tmp, final)
+            for old in [f for f in scan(self.dir.parent) if f.problem is None][:-self.keep_last]:
+                shutil.rmtree(old.path)
+        acc.wait_for_everyone()
+        self.saved_step = state.step
+        return final
+
+
+def _write_manifest(tmp: Path, state: RunState) -> None:
+    """The manifest, written last: the run's progress and every file's size, each file flushed to disk first."""
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        with f.open("rb") as handle:
+            os.fsync(handle.fileno())
+        files[str(f.relative_to(tmp))] = f.stat().st_size
+    with (tmp / MANIFEST).open("w", encoding="utf-8") as handle:
+        json.dump({"state": state.to_json(), "files": files}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished save to its final name (an incomplete directory of that name is replaced)."""
+    if final.exists():
+        old = final.with_name(f".{final.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)

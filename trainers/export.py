@@ -1,0 +1,89 @@
+#!/usr/bin/env python
+"""Export a trainer checkpoint as a Hugging Face model folder.
+
+    python trainers/export.py runs/quickstart/checkpoints/checkpoint_100 exported/quickstart
+    python trainers/export.py runs/quickstart exported/quickstart          # the run's newest complete checkpoint
+
+A checkpoint holds accelerate's training state: the policy's weights under ``lm.`` (the `PolicyModel` wrapper),
+optimizer and RNG states, and in ``hf/`` the model's config and the run's tokenizer. The export is what
+`transformers` loads: ``config.json``, ``model.safetensors`` with the model's own key names, the generation config
+and the tokenizer files as the run saved them, so ``AutoModelForCausalLM.from_pretrained(OUT)`` gives the trainer's
+logits and ``PreTrainedTokenizerFast.from_pretrained(OUT)`` its exact tokenizer.
+
+``AutoTokenizer.from_pretrained(OUT)`` picks the tokenizer class from the model type: for Qwen2 models that is
+`Qwen2Tokenizer`, which rebuilds Qwen's own pre-tokenizer. Qwen's tokenizers (``offline:qwen2.5``, hub models) come
+back exactly; a task BPE (the quickstart's ``tokenizer.name: task``) splits text differently, so the export checks
+this on a probe text and says which loader to use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainers import checkpoints
+
+
+def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
+    """Write the policy of `checkpoint` (a checkpoint or run directory) to `out` as a Hugging Face model folder.
+    Returns the folder and a warning when `AutoTokenizer` would not load the run's tokenizer exactly (else None)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    source = checkpoints.resolve(checkpoint)
+    hf = source / checkpoints.HF_DIR
+    if not (hf / "config.json").is_file():
+        raise FileNotFoundError(f"{source} has no {checkpoints.HF_DIR}/config.json (written by an older trainer)")
+    state = checkpoints.policy_state_dict(source)
+    config = AutoConfig.from_pretrained(hf)
+    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{source} does not match its config.json: missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+    if (hf / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(hf)
+    out = Path(out)
+    model.save_pretrained(out)
+    for f in hf.iterdir():  # the tokenizer files exactly as the run saved them
+        if f.name not in ("config.json", "generation_config.json"):
+            shutil.copy2(f, out / f.name)
+    return out, _auto_tokenizer_warning(out)
+
+
+def _auto_tokenizer_warning(out: Path) -> str | None:
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    exact, auto = PreTrainedTokenizerFast.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    probe = exact.apply_chat_template([{"role": "user", "content": "What is 865 * 673?  Don't guess.\n"}],
+                                      tokenize=False, add_generation_prompt=True)
+    if auto.encode(probe) == exact.encode(probe) and len(auto) == len(exact):
+        return None
+    return (f"AutoTokenizer.from_pretrained loads this model type's tokenizer class ({type(auto).__name__}), which "
+            f"splits text differently from the run's tokenizer: load it with "
+            f"transformers.PreTrainedTokenizerFast.from_pretrained({str(out)!r})")
+
+
+def main(argv=None) -> Path:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest complete checkpoint)")
+    ap.add_argument("out", help="the folder to write (config.json, model.safetensors, tokenizer files)")
+    args = ap.parse_args(argv)
+    out, warning = export(args.checkpoint, args.out)
+    print(f"exported {checkpoints.resolve(args.checkpoint)} -> {out}: transformers.AutoModelForCausalLM"
+          f".from_pretrained({str(out)!r}) loads it")
+    if warning:
+        print(f"note: {warning}")
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (FileNotFoundError, RuntimeError) as e:
+        sys.exit(f"export: {e}")

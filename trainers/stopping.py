@@ -1,0 +1,130 @@
+"""How a training run stops before its last step, and how the trainer's commands exit.
+
+* **Interrupts.** Inside `StopRequested`, the first SIGINT (Ctrl-C) or SIGTERM only raises a flag: the loop sees it
+  at the next step boundary, where it saves a checkpoint, prints how to resume and exits with status 128 + the
+  signal's number (130, 143). A second signal aborts at once (`KeyboardInterrupt`): the newest complete checkpoint
+  is then what a rerun continues from. Every process of a distributed run stops at the same step (`agreed`).
+* **Steps that train nothing** (every prompt over the budget, every episode failed) are skipped one by one, but
+  `EmptySteps` stops the run with `NothingTrains`, naming the cause, after a few in a row.
+* `entry_point` runs a trainer CLI: a `ConfigError` is one line on stderr and exit status 2, `NothingTrains` one
+  line and 1, an interrupt before training began one line and 130 — no traceback for any of them.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from .config import ConfigError
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopRequested:
+    """A context manager that turns the first SIGINT/SIGTERM into a stop request (see the module docstring)."""
+
+    def __init__(self, announce: bool = True):
+        self.announce = announce  #: print the notice (the main process only, in a distributed run)
+        self.signum: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> StopRequested:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous = {s: signal.signal(s, self._handle) for s in SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum: int, frame) -> None:
+        if self.signum is not None:
+            self.__exit__()
+            raise KeyboardInterrupt
+        self.signum = signum
+        if self.announce:  # os.write: a handler must not re-enter a print the main thread may be in
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
+                        f"(send it again to abort at once, without saving)\n".encode())
+
+    def agreed(self, accelerator) -> bool:
+        """Whether any process was asked to stop; all processes call this at the same step boundary."""
+        if accelerator.num_processes > 1:
+            import torch
+
+            mine = torch.tensor([float(self.signum or 0)], device=accelerator.device)
+            self.signum = int(accelerator.gather(mine).max()) or None
+        return self.signum is not None
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.signum).name if self.signum else None
+
+
+def resume_command(argv: list[str], resume: str | None) -> str:
+    """The command that continues a run: the same arguments, with ``trainer.resume=auto`` unless already so."""
+    args: list[str] = []
+    for a in argv:
+        if a.startswith("trainer.resume=") and args[-1:] == ["--set"]:
+            args.pop()
+        elif not a.startswith("--set=trainer.resume="):
+            args.append(a)
+    if resume != "auto":
+        args += ["--set", "trainer.resume=auto"]
+    return shlex.join(["python", "trainers/ppo.py", *args])
+
+
+class NothingTrains(RuntimeError):
+    """Several steps in a row had no trainable token: the run would go on doing nothing."""
+
+
+class EmptySteps:
+    """Counts consecutive steps that had no trainable token; the `limit`-th in a row raises `NothingTrains`."""
+
+    def __init__(self, limit: int = 3):
+        self.limit = limit
+        self.first = self.last = None
+
+    def add(self, step: int, metrics: dict, episodes: list) -> None:
+        """Record that `step` trained nothing; `metrics` are the step's (combined) rollout metrics."""
+        if self.last != step - 1:
+            self.first = step
+        self.last = step
+        if step - self.first + 1 >= self.limit:
+            raise NothingTrains(_cause(self.first, step, metrics, episodes))
+
+
+def _cause(first: int, last: int, metrics: dict, episodes: list) -> str:
+    skipped, failed = int(metrics.get("rollout/skipped", 0)), int(metrics.get("rollout/failed", 0))
+    text = (f"steps {first}-{last} trained nothing: of {int(metrics.get('rollout/episodes', len(episodes)))} "
+            f"episodes per step, {skipped} were skipped and {failed} failed")
+    skip_errors = [e.error for e in episodes if (e.error or "").startswith("skipped")]
+    fail_errors = [e.error for e in episodes if e.error and not e.error.startswith("skipped")]
+    if skipped >= failed and skip_errors:
+        return f"{text} ({skip_errors[0]}): raise env.budget.max_prompt_tokens (null: no limit)"
+    if fail_errors:
+        return f"{text} (e.g. {fail_errors[0]}): fix what fails (trainers/evaluate.py writes every episode's error)"
+    return (f"{text}; the episodes sampled no trainable token: check rollout.max_new_tokens and "
+            f"env.budget.max_response_tokens")
+
+
+def entry_point(main: Callable[[list[str] | None], dict], argv: list[str] | None = None) -> int:
+    """Run a trainer command's `main`; returns its exit status (see the module docstring)."""
+    try:
+        summary = main(argv)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except NothingTrains as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: nothing saved since the newest complete checkpoint (if any), which is where "
+              "the same command continues", file=sys.stderr)
+        return 128 + signal.SIGINT
+    stopped = summary.get("stopped_by") if isinstance(summary, dict) else None
+    return 128 + signal.Signals[stopped].value if stopped else 0
