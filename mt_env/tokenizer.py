@@ -155,6 +155,7 @@ def offline_tokenizer(family: str = "qwen2.5"):
         eos_token=spec["eos"],
         pad_token=spec["pad"],
         bos_token=spec["bos"],
+        unk_token=None,  # saved as null: Qwen2Tokenizer (AutoTokenizer's pick for Qwen2 models) would default one
         clean_up_tokenization_spaces=False,
         split_special_tokens=False,
     )
@@ -181,7 +182,7 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 1000, name: str = "t
 
     For tiny models trained from scratch (the quickstart): a 150k vocabulary would dominate their size and compute.
     Digits are split one by one (as in Qwen2), and merges may cross spaces, so the constant template text of a task
-    compresses to few tokens. Any text still encodes (byte fallback through byte-level BPE).
+    compresses to few tokens. Any text still encodes (byte-level BPE has no unknown token).
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -208,7 +209,7 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int = 1000, name: str = "t
         backend.save(str(tmp))
         os.replace(tmp, path)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        clean_up_tokenization_spaces=False, split_special_tokens=False)
+                                        unk_token=None, clean_up_tokenization_spaces=False, split_special_tokens=False)
     tokenizer.chat_template = chat_template("qwen2_5.jinja")
     tokenizer.name_or_path = f"mt_env-bpe/{name}-{vocab_size}"
     return tokenizer

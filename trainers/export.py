@@ -10,10 +10,10 @@ optimizer and RNG states, and in ``hf/`` the model's config and the run's tokeni
 and the tokenizer files as the run saved them, so ``AutoModelForCausalLM.from_pretrained(OUT)`` gives the trainer's
 logits and ``PreTrainedTokenizerFast.from_pretrained(OUT)`` its exact tokenizer.
 
-``AutoTokenizer.from_pretrained(OUT)`` picks the tokenizer class from the model type: for Qwen2 models that is
-`Qwen2Tokenizer`, which rebuilds Qwen's own pre-tokenizer. Qwen's tokenizers (``offline:qwen2.5``, hub models) come
-back exactly; a task BPE (the quickstart's ``tokenizer.name: task``) splits text differently, so the export checks
-this on a probe text and says which loader to use.
+For a Qwen2 model, `AutoTokenizer` always builds `Qwen2Tokenizer` (transformers 5.x ignores ``tokenizer_class`` for
+that model type): Qwen's pre-tokenizer around the saved vocabulary and merges. Qwen's tokenizers (``offline:qwen2.5``,
+hub models) come back exactly; a tokenizer with another pipeline — the quickstart's task BPE, whose merges cross
+spaces — does not, and `auto_tokenizer_mismatch`, which the export runs, says so and names the loader that is exact.
 """
 
 from __future__ import annotations
@@ -53,20 +53,26 @@ def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
     for f in hf.iterdir():  # the tokenizer files exactly as the run saved them
         if f.name not in ("config.json", "generation_config.json"):
             shutil.copy2(f, out / f.name)
-    return out, _auto_tokenizer_warning(out)
+    return out, auto_tokenizer_mismatch(out)
 
 
-def _auto_tokenizer_warning(out: Path) -> str | None:
+def auto_tokenizer_mismatch(folder: str | Path) -> str | None:
+    """How `AutoTokenizer.from_pretrained(folder)` differs from the tokenizer files as saved (loaded as they are by
+    `PreTrainedTokenizerFast`): ids of a probe text, size, special tokens or chat template; None when it does not."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    exact, auto = PreTrainedTokenizerFast.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    exact, auto = PreTrainedTokenizerFast.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
     probe = exact.apply_chat_template([{"role": "user", "content": "What is 865 * 673?  Don't guess.\n"}],
-                                      tokenize=False, add_generation_prompt=True)
-    if auto.encode(probe) == exact.encode(probe) and len(auto) == len(exact):
+                                      tokenize=False, add_generation_prompt=True) + " héllo wörld\n\n  1234 "
+    differences = [what for what, same in (
+        ("the ids of a probe text", auto.encode(probe) == exact.encode(probe)), ("the size", len(auto) == len(exact)),
+        ("the special tokens", auto.special_tokens_map == exact.special_tokens_map),
+        ("the chat template", auto.chat_template == exact.chat_template)) if not same]
+    if not differences:
         return None
     return (f"AutoTokenizer.from_pretrained loads this model type's tokenizer class ({type(auto).__name__}), which "
-            f"splits text differently from the run's tokenizer: load it with "
-            f"transformers.PreTrainedTokenizerFast.from_pretrained({str(out)!r})")
+            f"differs from the run's tokenizer in {', '.join(differences)}: load it with "
+            f"transformers.PreTrainedTokenizerFast.from_pretrained({str(folder)!r})")
 
 
 def main(argv=None) -> Path:
