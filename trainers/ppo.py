@@ -18,6 +18,10 @@ One training step (`main`, after `build` made the run):
    over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic.
 5. **update** — epochs of masked, clipped mini-batch updates (gradient accumulation over micro-batches).
 6. **log, sync, evaluate, checkpoint.**
+
+Around the loop: `open_run` decides what the command does with ``output_dir`` — start, resume from the newest
+complete checkpoint, or nothing for a finished run (`trainers.checkpoints`) — and Ctrl-C/SIGTERM stop it at a step
+boundary with a checkpoint and the command that continues (`trainers.stopping`).
 """
 
 from __future__ import annotations
