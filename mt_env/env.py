@@ -35,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import gymnasium as gym
@@ -43,12 +43,12 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
-from .chat_format import ChatFormat
+from .chat_format import ChatFormat, encodable, encodable_value, unencodable_at
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
 from .parsers import get_parser
 from .tool_config import select_tools
-from .tools import BaseTool, ToolBox
+from .tools import BaseTool, ToolBox, cap_calls
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -106,6 +106,8 @@ class ToolEnv(gym.Env):
         tool_format: the tool-call parser (``hermes``, ``llama3_json``, ``sglang:<format>``).
         max_turns: assistant turns per episode; the episode is truncated after the last one.
         max_parallel_tools: tool calls of one turn run at once.
+        max_calls_per_turn: tool calls of one turn that are run; the rest get one ``too_many_calls`` error
+            observation.
         budget: `TokenBudget` (or its fields as a dict) for the conversation (tokenizer mode).
         mode: conversation mode (``auto``, ``incremental``, ``per_turn``).
         strict: run the conversation's drift check when samples are built.
@@ -125,6 +127,7 @@ class ToolEnv(gym.Env):
         tool_format: str = "hermes",
         max_turns: int = 5,
         max_parallel_tools: int = 4,
+        max_calls_per_turn: int = 8,
         budget: TokenBudget | Mapping[str, Any] | None = None,
         mode: str = "auto",
         strict: bool = True,
@@ -137,8 +140,8 @@ class ToolEnv(gym.Env):
             raise ValueError(f"length_cut must be 'truncate' or 'interact', got {length_cut!r}")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}, got {render_mode!r}")
-        if max_turns < 1 or max_parallel_tools < 1:
-            raise ValueError("max_turns and max_parallel_tools must be >= 1")
+        if max_turns < 1 or max_parallel_tools < 1 or max_calls_per_turn < 1:
+            raise ValueError("max_turns, max_parallel_tools and max_calls_per_turn must be >= 1")
         if isinstance(tokenizer, str):
             from .tokenizer import load_tokenizer
 
@@ -148,6 +151,7 @@ class ToolEnv(gym.Env):
         self.tool_format = tool_format
         self.max_turns = max_turns
         self.max_parallel_tools = max_parallel_tools
+        self.max_calls_per_turn = max_calls_per_turn
         self.budget = budget if isinstance(budget, TokenBudget) or budget is None else TokenBudget(**budget)
         self.mode = mode
         self.strict = strict
@@ -248,7 +252,7 @@ class ToolEnv(gym.Env):
         conversation's training samples, e.g. ``(group, index)`` for GRPO)."""
         super().reset(seed=seed)
         await self._end_episode_tools()  # a reset mid-episode releases the previous episode's tools
-        options = options or {}
+        options = _checked_options(options)
         task = dict(options["task"]) if "task" in options else self.sample_task(self.np_random)
         chosen = select_tools(self.tools, task)
         self.task = task
@@ -263,6 +267,7 @@ class ToolEnv(gym.Env):
         self._parser = self._parsers.get(key) or self._parsers.setdefault(
             key, get_parser(self.tool_format, chosen.schemas))
         messages = self.prompt_messages(task)
+        _check_encodable(messages, chosen.sample_id)
         self.messages = list(messages)
         if self.tokenizer is not None:
             fmt = self._formats.get(key) or self._formats.setdefault(key, ChatFormat(
@@ -282,7 +287,7 @@ class ToolEnv(gym.Env):
         """Async twin of `step`."""
         if not self._active:
             raise ResetNeeded("the episode has ended (or reset() was not called): call reset() before step()")
-        turn = self._as_turn(action)
+        turn, unencodable = _encodable_turn(self._as_turn(action))
         self.turn += 1
         conv = self.conversation
         if conv is not None:
@@ -294,6 +299,8 @@ class ToolEnv(gym.Env):
         parsed = self._parser.parse(text)
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
+            call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
+            unencodable += replaced
         openai_calls = [c.to_openai() for c in parsed.calls]
         if conv is not None:
             conv.set_parsed(openai_calls, parsed.content)
@@ -317,7 +324,8 @@ class ToolEnv(gym.Env):
             if self.turn >= self.max_turns:
                 truncated, reason = True, "turn limit reached with a pending tool call"
             else:
-                results = await self._box.execute_many(parsed.calls + parsed.errors, self.max_parallel_tools)
+                calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
+                results = await self._box.execute_many(calls, self.max_parallel_tools)
                 reward = float(sum(r.reward for r in results))
                 new_messages = [r.to_message() for r in results]
                 info["tool_results"] = [
@@ -341,6 +349,9 @@ class ToolEnv(gym.Env):
                 self.interactions += 1
                 new_messages = [{"role": "user", "content": follow}]
 
+        new_messages, replaced = encodable_value(new_messages)
+        unencodable += replaced
+        info["unencodable_chars"] = unencodable  # replaced with U+FFFD in the model's turn and the observation
         obs = {"text": "", "input_ids": ()}
         if new_messages and not (terminated or truncated):
             if self.turn >= self.max_turns:
@@ -409,20 +420,13 @@ class ToolEnv(gym.Env):
         elif isinstance(action, str):
             turn = ModelTurn(text=action)
         elif isinstance(action, Mapping):
-            fr = action.get("finish_reason", "stop")
-            if isinstance(fr, (int, np.integer)):
-                fr = FINISH_REASONS[int(fr)]
-            ids = action.get("token_ids")
-            turn = ModelTurn(token_ids=None if ids is None else [int(i) for i in ids], text=action.get("text"),
-                             finish_reason=fr, logprobs=action.get("logprobs"))
+            turn = ModelTurn(token_ids=action.get("token_ids"), text=action.get("text"),
+                             finish_reason=action.get("finish_reason", "stop"), logprobs=action.get("logprobs"))
         elif isinstance(action, (list, tuple, np.ndarray)):
-            turn = ModelTurn(token_ids=[int(i) for i in action])
+            turn = ModelTurn(token_ids=action)
         else:
             raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
-        if turn.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {turn.finish_reason!r}")
-        if turn.token_ids is None and turn.text is None:
-            raise ValueError("a model turn needs token_ids or text")
+        turn = _checked_turn(turn)
         if turn.token_ids is not None and self.tokenizer is None:
             raise ValueError("token-id actions need an env created with a tokenizer; pass text instead")
         return turn
@@ -448,3 +452,57 @@ class ToolEnv(gym.Env):
 
 def _plain(messages: Sequence[Mapping[str, Any]]) -> str:
     return "\n\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
+
+
+def _checked_options(options: Any) -> Mapping[str, Any]:
+    """`reset`'s options, checked: a dict whose ``task``, when given, is a task row."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"reset options must be a dict such as {{'task': row}} or None, got {type(options).__name__}")
+    if "task" in options and not isinstance(options["task"], Mapping):
+        raise TypeError("options['task'] must be a task row (a dict with the prompt messages), got "
+                        f"{type(options['task']).__name__}; leave 'task' out to draw a task")
+    return options
+
+
+def _checked_turn(turn: ModelTurn) -> ModelTurn:
+    """`turn` with its finish reason as a name (an index into ``FINISH_REASONS`` is accepted, as in the action
+    space) and its token ids as ints; a `TypeError` or `ValueError` saying what was expected otherwise."""
+    reason = turn.finish_reason
+    if isinstance(reason, int | np.integer) and not isinstance(reason, bool):
+        reason = FINISH_REASONS[int(reason)] if 0 <= reason < len(FINISH_REASONS) else reason
+    elif not isinstance(reason, str):
+        raise TypeError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {type(reason).__name__}")
+    if reason not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {reason!r}")
+    if turn.text is not None and not isinstance(turn.text, str):
+        raise TypeError(f"a model turn's text must be a str, got {type(turn.text).__name__}")
+    ids = turn.token_ids
+    if ids is not None:
+        if isinstance(ids, str | bytes) or not all(isinstance(i, int | np.integer) and not isinstance(i, bool)
+                                                    for i in ids):
+            raise TypeError("a model turn's token_ids must be a sequence of ints")
+        ids = [int(i) for i in ids]
+    elif turn.text is None:
+        raise ValueError("a model turn needs token_ids or text")
+    return ModelTurn(token_ids=ids, text=turn.text, finish_reason=reason, logprobs=turn.logprobs)
+
+
+def _encodable_turn(turn: ModelTurn) -> tuple[ModelTurn, int]:
+    """`turn` with text that UTF-8 cannot hold replaced (see `encodable`), and how many characters were."""
+    if turn.text is None:
+        return turn, 0
+    text, replaced = encodable(turn.text)
+    return (replace(turn, text=text) if replaced else turn), replaced
+
+
+def _check_encodable(messages: Sequence[Mapping[str, Any]], sample_id: Any) -> None:
+    """Refuse prompt messages with text that UTF-8 cannot hold: the dataset row needs fixing, naming it."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        at = unencodable_at(content) if isinstance(content, str) else None
+        if at is not None:
+            row = f"sample {sample_id!r}" if sample_id is not None else "the task row (it has no sample_id)"
+            raise ValueError(f"{row}: prompt message {i} ({message.get('role')}) has text that UTF-8 cannot encode "
+                             f"(a lone surrogate {content[at]!r} at character {at}); fix the dataset row")
