@@ -38,18 +38,27 @@ def encodable(text: str) -> tuple[str, int]:
 
 
 def encodable_value(value: Any) -> tuple[Any, int]:
-    """`encodable` applied to every string in a JSON-like value (keys included); returns (value, replaced)."""
+    """`encodable` applied to every string in a JSON-like value (dict keys included); returns (value, replaced).
+    The value itself when nothing needs replacing (the common case, checked without copying)."""
     if isinstance(value, str):
         return encodable(value)
-    if isinstance(value, Mapping):
+    if _all_encodable(value):
+        return value, 0
+    if isinstance(value, dict):
         pairs = [(encodable_value(k), encodable_value(v)) for k, v in value.items()]
-        replaced = sum(nk + nv for (_, nk), (_, nv) in pairs)
-        return ({k: v for (k, _), (v, _) in pairs} if replaced else value), replaced
+        return {k: v for (k, _), (v, _) in pairs}, sum(nk + nv for (_, nk), (_, nv) in pairs)
+    items = [encodable_value(v) for v in value]  # a list or tuple
+    return type(value)(v for v, _ in items), sum(n for _, n in items)
+
+
+def _all_encodable(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.isascii() or not _SURROGATE.search(value)
+    if isinstance(value, dict):
+        return all(map(_all_encodable, value)) and all(map(_all_encodable, value.values()))
     if isinstance(value, list | tuple):
-        items = [encodable_value(v) for v in value]
-        replaced = sum(n for _, n in items)
-        return (type(value)(v for v, _ in items) if replaced else value), replaced
-    return value, 0
+        return all(map(_all_encodable, value))
+    return True
 
 
 def unencodable_at(text: str) -> int | None:

@@ -33,6 +33,7 @@ Episode end
 from __future__ import annotations
 
 import asyncio
+import operator
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -468,7 +469,7 @@ def _checked_options(options: Any) -> Mapping[str, Any]:
 
 def _checked_turn(turn: ModelTurn) -> ModelTurn:
     """`turn` with its finish reason as a name (an index into ``FINISH_REASONS`` is accepted, as in the action
-    space) and its token ids as ints; a `TypeError` or `ValueError` saying what was expected otherwise."""
+    space) and its token ids as a list of ints; a `TypeError` or `ValueError` saying what was expected otherwise."""
     reason = turn.finish_reason
     if isinstance(reason, int | np.integer) and not isinstance(reason, bool):
         reason = FINISH_REASONS[int(reason)] if 0 <= reason < len(FINISH_REASONS) else reason
@@ -478,15 +479,19 @@ def _checked_turn(turn: ModelTurn) -> ModelTurn:
         raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {reason!r}")
     if turn.text is not None and not isinstance(turn.text, str):
         raise TypeError(f"a model turn's text must be a str, got {type(turn.text).__name__}")
-    ids = turn.token_ids
-    if ids is not None:
-        if isinstance(ids, str | bytes) or not all(isinstance(i, int | np.integer) and not isinstance(i, bool)
-                                                    for i in ids):
-            raise TypeError("a model turn's token_ids must be a sequence of ints")
-        ids = [int(i) for i in ids]
-    elif turn.text is None:
+    if turn.token_ids is None and turn.text is None:
         raise ValueError("a model turn needs token_ids or text")
+    ids = None if turn.token_ids is None else _int_ids(turn.token_ids)
     return ModelTurn(token_ids=ids, text=turn.text, finish_reason=reason, logprobs=turn.logprobs)
+
+
+def _int_ids(ids: Any) -> list[int]:
+    try:
+        if isinstance(ids, str | bytes):
+            raise TypeError
+        return list(map(operator.index, ids))  # ints and numpy integers, never floats or strings
+    except TypeError:
+        raise TypeError("a model turn's token_ids must be a sequence of ints") from None
 
 
 def _encodable_turn(turn: ModelTurn) -> tuple[ModelTurn, int]:
