@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from agents.rollout import RolloutDriver
+from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 from mt_env import isolation
 from mt_env.calculator import CalculatorTool
@@ -539,6 +541,28 @@ def test_a_hung_thread_does_not_hold_up_the_end_of_asyncio_run():
         assert result.error_kind == "timeout" and tool.returned == 0  # asyncio.run returned; the thread still waits
     finally:
         gate.set()
+
+
+def test_the_rollout_driver_does_not_wait_for_a_hung_tool_thread(qwen25):
+    """The issue's case: `RolloutDriver.run` stalled at shutdown until a hung tool thread returned."""
+    gate = threading.Event()
+    tool = ThreadTool(gate, {"timeout": 0.2})
+    probe = CalculatorEnv(tokenizer=qwen25, tools=[tool])
+    probe.reset(seed=0)
+    fmt = probe.conversation.fmt
+
+    def script(prompt):
+        answered = "<tool_response>" in fmt.decode(prompt)
+        text = "The answer is 6." if answered else turn(ToolCall("thread", {"hang": True}))
+        return fmt.encode(text) + [fmt.end_of_turn_id]
+
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, tools=[tool]), ScriptedPolicy(script))
+    try:
+        (episode,) = driver.run([CalculatorEnv.task_for([2, 3])]).episodes
+        assert episode.success and episode.tool_errors == 1 and tool.returned == 0  # returned; the thread hangs on
+    finally:
+        gate.set()
+        driver.close()
 
 
 def test_a_hung_thread_does_not_hold_up_the_interpreter_exit():
