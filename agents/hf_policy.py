@@ -55,7 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .policy import Generation, GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
+from mt_env.turn import ModelTurn
+
+from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
 
@@ -83,7 +85,7 @@ class _Request:
             started = self.started if self.started is not None else now
             meta = {"backend": "hf", "prompt_tokens": len(self.prompt), "completion_tokens": len(self.ids),
                     "queue_s": started - self.submitted, "generate_s": now - started}
-            result, error = Generation(list(self.ids), list(self.logprobs), outcome, meta), None
+            result, error = ModelTurn(list(self.ids), list(self.logprobs), outcome, meta), None
 
         def set_outcome(fut: asyncio.Future = self.future) -> None:
             if fut.done():  # cancelled meanwhile
@@ -184,7 +186,7 @@ class HFPolicy(Policy):
         self._thread.start()
 
     # ----------------------------------------------------------------------------------------- public API
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         params = params or SamplingParams()
         prompt = check_prompt_ids(prompt_ids, self.vocab_size)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]

@@ -1,13 +1,14 @@
 """The policy interface: asynchronous, token-in/token-out generation.
 
-A `Policy` turns prompt token ids into sampled token ids and their log-probabilities. Prompts are token ids and
+A `Policy` turns prompt token ids into a `mt_env.turn.ModelTurn`: sampled token ids and their log-probabilities, the
+very object `ToolEnv.step` takes. Prompts are token ids and
 outputs are token ids; nothing is decoded and re-encoded on the way, because a model's own split of a text (``hel``
 + ``lo``) is what it sampled and what the trainer must score (see `mt_env.conversation`).
 
 Conventions every backend follows:
 
 * **Stop tokens are kept.** When generation stops on one of `SamplingParams.stop_token_ids`, that token is the
-  last entry of `Generation.ids` (with its logprob) and `finish_reason` is ``"stop"``. When it stops on
+  last entry of `ModelTurn.ids` (with its logprob) and `finish_reason` is ``"stop"``. When it stops on
   `max_new_tokens` (or on the context length), `finish_reason` is ``"length"`` and nothing is appended.
 * **Logprobs are the sampling distribution before truncation:** ``log_softmax(logits / temperature)`` of the
   sampled token, computed *before* top-p/top-k cut the distribution; with ``temperature == 0`` (greedy) it is
@@ -26,15 +27,13 @@ import abc
 import asyncio
 import dataclasses
 import math
-import numbers
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
+from mt_env.checks import is_int, is_real
 from mt_env.errors import MtEnvError
-
-FinishReason = Literal["stop", "length", "abort"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+from mt_env.turn import ModelTurn
 
 
 class PolicyError(MtEnvError):
@@ -67,22 +66,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
-        if not _is_real(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+        if not is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k!r}")
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, Iterable):
             raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
         stop = tuple(self.stop_token_ids)
-        bad = [t for t in stop if not _is_int(t) or t < 0]
+        bad = [t for t in stop if not is_int(t) or t < 0]
         if bad:
             raise ValueError(f"stop_token_ids must be non-negative integers, got {bad[:5]}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop))
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed must be None or an integer in [0, 2**63), got {self.seed!r}")
 
     @property
@@ -94,32 +93,6 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-@dataclass
-class Generation:
-    """What a policy sampled for one prompt.
-
-    Attributes:
-        ids: the sampled token ids, the stop token included when generation stopped on it.
-        logprobs: one per id: ``log_softmax(logits / temperature)`` of the sampled token (see the module docstring).
-        finish_reason: ``"stop"`` (a stop token was sampled), ``"length"`` (the token limit was hit) or ``"abort"``.
-        meta: backend details, e.g. timings (``queue_s``, ``generate_s``) and token counts.
-    """
-
-    ids: list[int]
-    logprobs: list[float]
-    finish_reason: FinishReason
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self):
-        if len(self.ids) != len(self.logprobs):
-            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.ids)} ids")
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-
 class Policy(abc.ABC):
     """An asynchronous generation backend. Many episodes call `generate` concurrently from asyncio tasks; a
     backend serves them together (batching, or a server's own scheduler).
@@ -129,14 +102,14 @@ class Policy(abc.ABC):
     """
 
     @abc.abstractmethod
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         """Sample a continuation of `prompt_ids` (default `SamplingParams()`)."""
 
     async def generate_many(
         self,
         prompts: Sequence[Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> list[Generation]:
+    ) -> list[ModelTurn]:
         """Generate for several prompts concurrently; results in prompt order.
 
         `params` is one `SamplingParams` for all prompts or one per prompt. With a single `params` that has a
@@ -199,7 +172,7 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None = None) -
         raise ValueError(f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
     if not ids:
         raise ValueError("the prompt is empty: a policy needs at least one prompt token")
-    not_int = [i for i in ids if not _is_int(i)]
+    not_int = [i for i in ids if not is_int(i)]
     if not_int:
         raise ValueError(f"prompt ids must be integers, got {not_int[:5]}")
     ids = [int(i) for i in ids]
@@ -209,11 +182,3 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None = None) -
         where = f"[0, {vocab_size})" if vocab_size is not None else "[0, inf)"
         raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary {where}")
     return ids
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)  # numpy integers count, booleans do not
-
-
-def _is_real(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)

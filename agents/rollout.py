@@ -6,7 +6,8 @@
 Every episode is a coroutine that drives one env through its public Gymnasium API (`areset` / `astep`, the async
 twins) and asks the policy for the next turn the moment its tools return — there is no lockstep across episodes:
 a short episode finishes while a long one is still generating, and the policy batches whatever requests are in
-flight. Finished episodes are reassembled into one training batch (`RolloutResult.batch`).
+flight. The driver tags each finished episode's samples with its group and episode (`RolloutResult.samples`), ready
+for `mt_env.batch.collate`.
 
 Failure isolation: an exception inside one episode (a tool, the parser, a generation error, a timeout) marks it
 FAILED with the reason; the other episodes go on. A failed episode's tokens stay in the batch with loss mask 0 and
@@ -17,8 +18,10 @@ it is counted — never silently dropped. A prompt longer than the token budget 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import hashlib
+import itertools
 import math
 import statistics
 import time
@@ -29,10 +32,9 @@ from typing import NamedTuple
 
 import gymnasium as gym
 
-from mt_env.batch import Batch, pack_samples, pad_samples
-from mt_env.conversation import Sample
-from mt_env.env import ModelTurn, ToolEnv
+from mt_env.env import ToolEnv
 from mt_env.errors import BudgetError
+from mt_env.sample import Sample
 
 from .policy import Policy, PolicyError, SamplingParams
 
@@ -53,80 +55,70 @@ class EpisodeId(NamedTuple):
     index: int
 
 
+def _stat(name: str) -> property:
+    return property(lambda self: self.stats.get(name, 0), doc=f"the env's {name!r} (`ToolEnv.episode_stats`)")
+
+
 @dataclass
 class EpisodeRecord:
-    """Everything about one finished episode (JSON-friendly apart from `samples`)."""
+    """One episode as the driver saw it (JSON-friendly apart from `samples`).
+
+    What the env counted — turns, tool calls and errors, parse errors, rewards — is `stats`, the env's own
+    `episode_stats()` read once when the episode ends or fails; the driver adds only what it alone sees: the states,
+    the finish reasons and token counts of the generations, timings."""
 
     id: EpisodeId
     state: EpisodeState = EpisodeState.PENDING
     history: list[str] = field(default_factory=list)  #: states in the order they were entered
     error: str | None = None  #: why it FAILED (or was skipped)
     end_reason: str | None = None
-    turns: int = 0
-    finish_reasons: list[str] = field(default_factory=list)  #: per generated turn
-    turn_rewards: list[float] = field(default_factory=list)  #: step rewards per turn (tools)
-    final_reward: float = 0.0
     success: bool = False
-    tool_calls: int = 0
-    tool_errors: int = 0
-    parse_errors: int = 0
+    finish_reasons: list[str] = field(default_factory=list)  #: per generated turn
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    stats: dict = field(default_factory=dict)  #: `ToolEnv.episode_stats()`; empty when the episode never started
     messages: list[dict] = field(default_factory=list)
     generation_s: float = 0.0  #: time this episode spent waiting for the policy
     tool_s: float = 0.0  #: time it spent in env steps (tools, parsing, conversation bookkeeping)
     finished_at: float = 0.0  #: seconds since the rollout started
     samples: list[Sample] = field(default_factory=list, repr=False)
 
-    @property
-    def total_reward(self) -> float:
-        return sum(self.turn_rewards) + self.final_reward
+    turns = _stat("turns")
+    tool_calls = _stat("tool_calls")
+    tool_errors = _stat("tool_errors")
+    parse_errors = _stat("parse_errors")
+    final_reward = _stat("final_reward")
+    total_reward = _stat("total_reward")
 
     def enter(self, state: EpisodeState) -> None:
         self.state = state
         self.history.append(state.value)
 
     def to_dict(self) -> dict:
-        return {k: (v.value if isinstance(v, enum.Enum) else list(v) if k == "id" else v)
-                for k, v in self.__dict__.items() if k != "samples"}
+        out = {k: (v.value if isinstance(v, enum.Enum) else list(v) if k == "id" else v)
+               for k, v in self.__dict__.items() if k not in ("samples", "stats")}
+        return {**out, **self.stats}
 
 
 @dataclass
 class RolloutResult:
     episodes: list[EpisodeRecord]
-    metrics: dict[str, float]
+    metrics: dict[str, float]  #: everything measured about the rollout (`rollout/*`, `time/*`)
 
     @property
     def samples(self) -> list[Sample]:
+        """Every episode's training samples, tagged with their group and episode (failed ones untrainable)."""
         return [s for e in self.episodes for s in e.samples]
 
     def summary(self) -> dict[str, float]:
-        """Per-episode means over the episodes that were played (not failed or skipped), and pass@n over tasks:
-        the share of tasks (groups) that at least one of their samples solved."""
-        played = [e for e in self.episodes if e.state != EpisodeState.FAILED]
-        solved: dict[int, bool] = {}
-        for e in self.episodes:
-            solved[e.id.group] = solved.get(e.id.group, False) or e.success
-
-        def mean(values) -> float:
-            values = list(values)
-            return float(statistics.fmean(values)) if values else 0.0
-
-        return {"played": float(len(played)), "success": mean(e.success for e in played),
-                "reward": mean(e.total_reward for e in played), "turns": mean(e.turns for e in played),
-                "tool_call_rate": mean(e.tool_calls > 0 for e in played),
-                "tool_errors_per_episode": mean(e.tool_errors for e in played), "pass@n": mean(solved.values())}
-
-    def batch(self, pad_token_id: int, layout: str = "padded") -> Batch:
-        """The training batch of all episodes' samples (failed ones with loss mask 0)."""
-        samples = self.samples
-        if not samples:
-            raise ValueError("the rollout produced no samples (every episode was skipped)")
-        if layout == "padded":
-            return pad_samples(samples, pad_token_id)
-        if layout == "packed":
-            return pack_samples(samples)
-        raise ValueError(f"layout must be 'padded' or 'packed', got {layout!r}")
+        """The headline figures of `metrics` under short names, for evaluation tables: means over the episodes
+        played to their end (not failed or skipped), and pass@n, the share of tasks that at least one of their
+        `n` samples solved."""
+        m = self.metrics
+        return {"played": m["rollout/completed"] + m["rollout/truncated"], "success": m["rollout/success_rate"],
+                "reward": m["rollout/reward_mean"], "turns": m["rollout/turns_mean"],
+                "tool_call_rate": m["rollout/tool_call_rate"],
+                "tool_errors_per_episode": m["rollout/tool_errors_per_episode"], "pass@n": m["rollout/pass@n"]}
 
 
 class _Activity:
@@ -152,13 +144,25 @@ class _Activity:
         self._tick()
         self.active[kind] -= 1
 
+    @contextlib.contextmanager
+    def during(self, kind: str, record: EpisodeRecord):
+        """Count the block's time as `kind` for the rollout, and for the episode (`generation_s` / `tool_s`)."""
+        self.begin(kind)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            attr = "generation_s" if kind == "generation" else "tool_s"
+            setattr(record, attr, getattr(record, attr) + time.perf_counter() - start)
+            self.end(kind)
+
 
 class RolloutDriver:
     """Runs episodes of one env type against one policy.
 
     Args:
         env: a callable returning a fresh env, or a registered Gymnasium id (with `env_kwargs`). The env must have
-            a tokenizer (token-in/token-out) — the driver sends `obs["input_ids"]` to the policy.
+            a tokenizer (token-in/token-out) — the driver sends the conversation's `context_ids` to the policy.
         policy: the generation backend.
         sampling: sampling parameters; ``max_new_tokens`` is per turn and further capped by each episode's budget.
             The env's end-of-turn token is added to the stop tokens.
@@ -226,6 +230,9 @@ class RolloutDriver:
             self._pool = [free.get_nowait() for _ in range(free.qsize())]
         clock._tick()
         wall = time.perf_counter() - start
+        for k, record in enumerate(records):  # the driver knows which samples belong together: it tags them
+            for sample in record.samples:
+                sample.group, sample.episode = record.id.group, k
         return RolloutResult(records, _metrics(records, wall, clock.spent))
 
     def close(self) -> None:
@@ -248,12 +255,14 @@ class RolloutDriver:
 
     async def _play(self, env: gym.Env, task: dict, record: EpisodeRecord, sampling: SamplingParams, step: int,
                     clock: _Activity) -> None:
+        """One episode through the env's public API. Its conversation is the one record of its tokens, messages and
+        rewards: the driver reads the next prompt from it and its samples at the end, and writes nothing into it."""
         base: ToolEnv = env.unwrapped
         seed = _seed(self.seed, step, record.id)
         conv = None  # this episode's conversation; until reset succeeds, base.conversation is the previous episode's
         try:
             try:
-                obs, info = await base.areset(seed=seed % 2**31, options={"task": task, "episode": record.id})
+                obs, _ = await base.areset(seed=seed % 2**31, options={"task": task})
             except BudgetError as e:
                 record.error = f"skipped: {e}"
                 record.enter(EpisodeState.FAILED)
@@ -261,49 +270,9 @@ class RolloutDriver:
             conv = base.conversation
             record.enter(EpisodeState.RUNNING)
             record.prompt_tokens = len(obs["input_ids"])
-            context = list(obs["input_ids"])
-            stop = tuple(dict.fromkeys((*sampling.stop_token_ids, conv.fmt.end_of_turn_id)))
-            turn = 0
-            while True:
-                params = sampling.replace(max_new_tokens=max(1, min(sampling.max_new_tokens, conv.max_new_tokens)),
-                                          stop_token_ids=stop, seed=(seed + turn) % 2**63)
-                clock.begin("generation")
-                t0 = time.perf_counter()
-                try:
-                    gen = await asyncio.wait_for(self.policy.generate(context, params), self.generation_timeout_s)
-                except TimeoutError:
-                    raise _GenerationTimeout(f"generation timed out after {self.generation_timeout_s}s") from None
-                finally:
-                    record.generation_s += time.perf_counter() - t0
-                    clock.end("generation")
-                record.finish_reasons.append(gen.finish_reason)
-                record.generated_tokens += len(gen.ids)
-                record.enter(EpisodeState.TOOL_CALLING)
-                clock.begin("tools")
-                t0 = time.perf_counter()
-                try:
-                    obs, reward, terminated, truncated, info = await base.astep(
-                        ModelTurn(token_ids=gen.ids, logprobs=gen.logprobs, finish_reason=gen.finish_reason))
-                finally:
-                    record.tool_s += time.perf_counter() - t0
-                    clock.end("tools")
-                turn += 1
-                record.turns = turn
-                record.turn_rewards.append(info.get("step_reward", 0.0))
-                record.tool_calls += len(info.get("tool_results", []))
-                record.tool_errors += info.get("tool_errors", 0)
-                record.parse_errors += len(info.get("parse_errors", []))
-                if terminated or truncated:
-                    record.final_reward = info["final_reward"]
-                    record.success = base.success(info)
-                    record.end_reason = info.get("end_reason")
-                    record.enter(EpisodeState.COMPLETED if terminated else EpisodeState.TRUNCATED)
-                    break
-                if info.get("replace_context"):  # per-turn mode: the template re-rendered the whole history
-                    context = list(obs["input_ids"])
-                else:
-                    context = context + gen.ids + list(obs["input_ids"])
-                record.enter(EpisodeState.RUNNING)
+            info, terminated = await self._turns(base, record, sampling, seed, clock)
+            record.success, record.end_reason = base.success(info), info.get("end_reason")
+            record.enter(EpisodeState.COMPLETED if terminated else EpisodeState.TRUNCATED)
             record.samples = conv.samples()
         except PolicyError:
             raise
@@ -311,12 +280,35 @@ class RolloutDriver:
             record.error = str(e) if isinstance(e, _GenerationTimeout) else f"{type(e).__name__}: {e}"
             record.enter(EpisodeState.FAILED)
             if conv is not None:  # keep its tokens (the prompt at least: the GRPO group stays whole), train on none
-                conv.strict = False  # the failure may be the drift check itself
                 record.samples = conv.samples(trainable=False)
             await base.aabandon()
         finally:
             if conv is not None:
-                record.messages = conv.messages
+                record.stats, record.messages = base.episode_stats(), conv.messages
+
+    async def _turns(self, base: ToolEnv, record: EpisodeRecord, sampling: SamplingParams, seed: int,
+                     clock: _Activity) -> tuple[dict, bool]:
+        """Generate from the conversation's context and step the env until the episode ends; returns the last
+        step's info and whether the episode terminated (else it was truncated)."""
+        conv = base.conversation
+        stop = tuple(dict.fromkeys((*sampling.stop_token_ids, conv.fmt.end_of_turn_id)))
+        for turn in itertools.count():
+            params = sampling.replace(max_new_tokens=max(1, min(sampling.max_new_tokens, conv.max_new_tokens)),
+                                      stop_token_ids=stop, seed=(seed + turn) % 2**63)
+            with clock.during("generation", record):
+                try:
+                    generated = await asyncio.wait_for(self.policy.generate(conv.context_ids, params),
+                                                       self.generation_timeout_s)
+                except TimeoutError:
+                    raise _GenerationTimeout(f"generation timed out after {self.generation_timeout_s}s") from None
+            record.finish_reasons.append(generated.finish_reason)
+            record.generated_tokens += len(generated)
+            record.enter(EpisodeState.TOOL_CALLING)
+            with clock.during("tools", record):
+                _, _, terminated, truncated, info = await base.astep(generated)
+            if terminated or truncated:
+                return info, terminated
+            record.enter(EpisodeState.RUNNING)
 
 
 class _GenerationTimeout(Exception):
@@ -335,14 +327,19 @@ def _progress_bar(total: int):
                 disable=None)  # None: no bar when the output is not a terminal (logs, CI)
 
 
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(statistics.fmean(xs)) if xs else 0.0
+
+
 def _metrics(records: list[EpisodeRecord], wall: float, spent: Counter) -> dict[str, float]:
+    """The one summary of a rollout (training logs it; evaluation reads it through `RolloutResult.summary`): counts
+    over all episodes; per-episode means over those played to their end (not failed or skipped); pass@n over tasks."""
     played = [r for r in records if r.state != EpisodeState.PENDING and not (r.error or "").startswith("skipped")]
     ok = [r for r in played if r.state != EpisodeState.FAILED]
-
-    def mean(xs):
-        xs = list(xs)
-        return float(statistics.fmean(xs)) if xs else 0.0
-
+    solved: dict[int, bool] = {}
+    for r in records:
+        solved[r.id.group] = solved.get(r.id.group, False) or r.success
     rewards = [r.total_reward for r in ok]
     states = Counter(r.state.value for r in records)
     finish = Counter(f for r in records for f in r.finish_reasons)
@@ -355,17 +352,19 @@ def _metrics(records: list[EpisodeRecord], wall: float, spent: Counter) -> dict[
         "rollout/failed": sum(1 for r in records
                               if r.state == EpisodeState.FAILED and not (r.error or "").startswith("skipped")),
         "rollout/skipped": sum(1 for r in records if (r.error or "").startswith("skipped")),
-        "rollout/success_rate": mean(r.success for r in ok),
-        "rollout/reward_mean": mean(rewards),
+        "rollout/success_rate": _mean(r.success for r in ok),
+        "rollout/pass@n": _mean(solved.values()),
+        "rollout/reward_mean": _mean(rewards),
         "rollout/reward_std": float(statistics.pstdev(rewards)) if len(rewards) > 1 else 0.0,
-        "rollout/turns_mean": mean(r.turns for r in ok),
-        "rollout/tool_calls_mean": mean(r.tool_calls for r in ok),
-        "rollout/tool_call_rate": mean(r.tool_calls > 0 for r in ok),
+        "rollout/turns_mean": _mean(r.turns for r in ok),
+        "rollout/tool_calls_mean": _mean(r.tool_calls for r in ok),
+        "rollout/tool_call_rate": _mean(r.tool_calls > 0 for r in ok),
         "rollout/tool_errors": sum(r.tool_errors for r in records),
+        "rollout/tool_errors_per_episode": _mean(r.tool_errors for r in ok),
         "rollout/parse_errors": sum(r.parse_errors for r in records),
-        "rollout/response_len_mean": mean(responses),
+        "rollout/response_len_mean": _mean(responses),
         "rollout/response_len_max": max(responses, default=0),
-        "rollout/prompt_len_mean": mean(r.prompt_tokens for r in played),
+        "rollout/prompt_len_mean": _mean(r.prompt_tokens for r in played),
         "rollout/generated_tokens": generated,
         "rollout/wall_s": wall,
         "rollout/gen_tokens_per_s": generated / wall if wall > 0 else 0.0,

@@ -2,7 +2,7 @@
 
 For tests and benchmarks that need exact, repeatable model turns (replayed recordings, an expert that calls the
 tool, a policy that misbehaves on purpose), and for demos without a model. The script is a function of the prompt
-ids (the whole context so far) returning the next turn: token ids, or a full `Generation`.
+ids (the whole context so far) returning the next turn: token ids, or a full `ModelTurn`.
 """
 
 from __future__ import annotations
@@ -10,18 +10,20 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from .policy import Generation, Policy, PolicyError, SamplingParams, check_prompt_ids
+from mt_env.turn import ModelTurn
+
+from .policy import Policy, PolicyError, SamplingParams, check_prompt_ids
 
 
 class ScriptedPolicy(Policy):
     """Args:
-        script: ``script(prompt_ids) -> list[int] | Generation``. Plain ids get logprobs of 0 and finish reason
+        script: ``script(prompt_ids) -> list[int] | ModelTurn``. Plain ids get logprobs of 0 and finish reason
             ``"stop"`` when they end with a stop token, else ``"length"``; they are cut at ``max_new_tokens``.
         latency_s: seconds each generation takes (``asyncio.sleep``), or a function of the prompt ids.
         vocab_size: when given, prompts are checked against it.
     """
 
-    def __init__(self, script: Callable[[list[int]], Sequence[int] | Generation],
+    def __init__(self, script: Callable[[list[int]], Sequence[int] | ModelTurn],
                  latency_s: float | Callable[[list[int]], float] = 0.0, vocab_size: int | None = None):
         self.script = script
         self.latency_s = latency_s
@@ -29,7 +31,7 @@ class ScriptedPolicy(Policy):
         self.calls = 0
         self._closed = False
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         if self._closed:
             raise PolicyError("this ScriptedPolicy is closed")
         params = params or SamplingParams()
@@ -39,15 +41,15 @@ class ScriptedPolicy(Policy):
         if delay:
             await asyncio.sleep(delay)
         out = self.script(prompt)
-        if isinstance(out, Generation):
+        if isinstance(out, ModelTurn):
             return out
         ids = list(out)
         stop = next((i for i, t in enumerate(ids) if t in params.stop_token_ids), None)
         if stop is not None and stop < params.max_new_tokens:
             ids = ids[: stop + 1]
-            return Generation(ids, [0.0] * len(ids), "stop")
+            return ModelTurn(ids, [0.0] * len(ids), "stop")
         ids = ids[: params.max_new_tokens]
-        return Generation(ids, [0.0] * len(ids), "length")
+        return ModelTurn(ids, [0.0] * len(ids), "length")
 
     async def close(self) -> None:
         self._closed = True

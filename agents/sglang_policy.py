@@ -51,7 +51,9 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from .policy import FINISH_REASONS, Generation, GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
+from mt_env.turn import FINISH_REASONS, ModelTurn
+
+from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 INSTALL_HINT = 'pip install "mt-env[sglang]"'
 _RETRY_STATUSES = (502, 503, 504)  # a router without workers, an overloaded or restarting server: try another one
@@ -73,8 +75,8 @@ def sglang_sampling_params(params: SamplingParams, send_seed: bool = True) -> di
     return out
 
 
-def generation_from_sglang(output: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> Generation:
-    """A `Generation` from one SGLang ``/generate`` / ``async_generate`` answer (shapes in the module docstring).
+def generation_from_sglang(output: Mapping[str, Any] | Sequence[Mapping[str, Any]]) -> ModelTurn:
+    """A `ModelTurn` from one SGLang ``/generate`` / ``async_generate`` answer (shapes in the module docstring).
 
     Ids and logprobs come from ``meta_info["output_token_logprobs"]``; ``output_ids`` (or ``token_ids``), when
     present, must agree with them. The stop token is kept as SGLang reports it; nothing is added or removed.
@@ -108,7 +110,7 @@ def generation_from_sglang(output: Mapping[str, Any] | Sequence[Mapping[str, Any
     for key in ("id", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency"):
         if key in meta:
             extra[key] = meta[key]
-    return Generation(ids, logprobs, kind, extra)
+    return ModelTurn(ids, logprobs, kind, extra)
 
 
 def import_sglang():
@@ -152,7 +154,7 @@ class SGLangEnginePolicy(Policy):
         self.send_seed = send_seed
         self._closed = False
 
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         params = params or SamplingParams()
         prompt = check_prompt_ids(prompt_ids)
         if self._closed:
@@ -275,7 +277,7 @@ class SGLangServerPolicy(Policy):
         self._closed = False
 
     # ----------------------------------------------------------------------------------------- generation
-    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         params = params or SamplingParams()
         prompt = check_prompt_ids(prompt_ids)
         if self._closed:

@@ -17,8 +17,9 @@ import random
 import statistics
 import time
 
-from mt_env.batch import pack_samples, pad_samples
+from mt_env.batch import collate, pack
 from mt_env.chat_format import ChatFormat
+from mt_env.conformance import check_template
 from mt_env.conversation import Conversation
 from mt_env.tokenizer import offline_tokenizer
 
@@ -96,11 +97,11 @@ def main():
     args = ap.parse_args()
     rng = random.Random(0)
     fmt = ChatFormat(offline_tokenizer("qwen2.5"), tools=[TOOL])
-    assert fmt.conformance.conforms
+    assert check_template(fmt).conforms
     print(f"tokenizer: offline Qwen2.5 BPE; template: qwen2.5 with 1 tool; repeats={args.repeats} (median)\n")
     print("per turn = (time for the whole episode - time for its prompt alone) / turns\n")
     print(f"{'turns':>5} {'tokens':>7} {'build µs/turn':>14} {'re-render µs/turn':>18} {'speedup':>8} "
-          f"{'pad µs/turn':>12} {'pack µs/turn':>13}")
+          f"{'collate µs/turn':>16} {'pack µs/turn':>13}")
     per_turn = {}
     for turns in (1, 4, 16):
         prompt, steps = episode(rng, fmt, turns)
@@ -111,11 +112,12 @@ def main():
         t_build = (timeit(lambda: build(fmt, prompt, steps), args.repeats) - t_prompt) / turns
         t_base = (timeit(lambda: rerender_baseline(fmt, prompt, steps), args.repeats) - t_prompt_base) / turns
         samples = [s for _ in range(args.batch) for s in conv.samples()]
-        t_pad = timeit(lambda: pad_samples(samples, fmt.tokenizer.pad_token_id), max(3, args.repeats // 5))
-        t_pack = timeit(lambda: pack_samples(samples), max(3, args.repeats // 5))
+        t_pad = timeit(lambda: collate(samples, fmt.tokenizer.pad_token_id), max(3, args.repeats // 5))
+        batch = collate(samples, fmt.tokenizer.pad_token_id)
+        t_pack = timeit(lambda: pack(batch), max(3, args.repeats // 5))
         per_turn[turns] = (t_build, t_base)
         print(f"{turns:>5} {n_tokens:>7} {t_build * 1e6:>14.1f} {t_base * 1e6:>18.1f} {t_base / t_build:>7.1f}x "
-              f"{t_pad / args.batch / turns * 1e6:>12.1f} {t_pack / args.batch / turns * 1e6:>13.1f}")
+              f"{t_pad / args.batch / turns * 1e6:>16.1f} {t_pack / args.batch / turns * 1e6:>13.1f}")
 
     prompt, steps = episode(rng, fmt, 16)
     conv = build(fmt, prompt, steps)

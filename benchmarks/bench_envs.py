@@ -24,8 +24,8 @@ import numpy as np
 
 import mt_env  # noqa: F401
 from envs.gsm8k_tool import GSM8kToolEnv
-from mt_env.env import ModelTurn
 from mt_env.parsers import HermesParser, ToolCall
+from mt_env.turn import ModelTurn
 from mt_env.vector import ToolVectorEnv
 
 REASONING = ("Let me work through this. First I find the quantities given in the problem, then I combine them "
@@ -67,7 +67,7 @@ def _action(text: str, fmt) -> ModelTurn:
     """Replayed sampled ids (encoded once, outside the timing loop's concern: an engine hands ids over)."""
     if text not in _encoded:
         _encoded[text] = fmt.encode(text) + [fmt.end_of_turn_id]
-    return ModelTurn(token_ids=_encoded[text])
+    return ModelTurn(ids=_encoded[text])
 
 
 def envs_rows(envs):

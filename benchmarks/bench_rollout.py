@@ -40,7 +40,7 @@ from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from agents.rollout import RolloutDriver, RolloutResult  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
-from mt_env.conversation import Seg  # noqa: E402
+from mt_env.sample import Seg  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
 

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator  # noqa: E402
 
+from mt_env.batch import TrainBatch  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm  # noqa: E402
-from trainers.ppo import update  # noqa: E402
+from trainers.ppo import Models, update  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
@@ -50,32 +51,32 @@ def make_model(args, device, attn="sdpa"):
     return lm.to(device)
 
 
-def batch_from_lengths(prompt_lens, response_lens, vocab, device, seed=0):
-    """A [B, L] training batch (left-padded prompts, right-padded responses) with the trainer's tensors."""
+def batch_from_lengths(prompt_lens, response_lens, vocab, device, seed=0) -> TrainBatch:
+    """A right-padded [B, L] training batch as the trainer scores it: random ids, about 70% of each response
+    sampled (loss mask 1), the rest tool output; old and reference logprobs and advantages filled in."""
     g = torch.Generator().manual_seed(seed)
-    P, R = max(prompt_lens), max(response_lens)
-    B = len(prompt_lens)
-    ids = torch.randint(0, vocab, (B, P + R), generator=g)
-    attn = torch.zeros(B, P + R, dtype=torch.long)
-    target = torch.zeros(B, P + R)
+    B, L = len(prompt_lens), max(p + r for p, r in zip(prompt_lens, response_lens))
+    ids = torch.randint(0, vocab, (B, L), generator=g)
+    attn = torch.zeros(B, L, dtype=torch.long)
+    loss_mask = torch.zeros(B, L)
     for b, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        attn[b, P - p:P + r] = 1
-        # multi-turn: about 70% of the response is sampled, the rest tool output (mask 0)
-        resp = (torch.rand(r, generator=g) < 0.7).float()
-        target[b, P:P + r] = resp
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    data = {"input_ids": ids, "attention_mask": attn, "position_ids": pos, "target": target,
-            "turn_ids": torch.zeros_like(ids), "rewards": torch.zeros(B, P + R), "rollout_lp": torch.zeros(B, P + R),
-            "episode_rewards": torch.zeros(B)}
-    return {k: v.to(device) for k, v in data.items()}
+        attn[b, :p + r] = 1
+        loss_mask[b, p:p + r] = (torch.rand(r, generator=g) < 0.7).float()
+    zeros, old = torch.zeros(B, L), torch.full((B, L), -1.0)
+    batch = TrainBatch(
+        input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), loss_mask=loss_mask,
+        rewards=zeros, rollout_logprobs=zeros, turn_ids=torch.zeros_like(ids), group=torch.arange(B),
+        episode=torch.arange(B), episode_rewards=torch.zeros(B), old_logprobs=old, ref_logprobs=old,
+        advantages=torch.randn(B, L, generator=g) * loss_mask)
+    return batch.to(device)
 
 
-def raw_step(lm, opt, data, micro):
-    B = data["input_ids"].shape[0]
-    for rows in torch.arange(B, device=data["input_ids"].device).split(micro):
-        ids = data["input_ids"][rows]
-        labels = ids.masked_fill(data["attention_mask"][rows] == 0, -100)
-        out = lm(input_ids=ids, attention_mask=data["attention_mask"][rows], position_ids=data["position_ids"][rows],
+def raw_step(lm, opt, batch, micro):
+    B = len(batch)
+    for rows in torch.arange(B, device=batch.input_ids.device).split(micro):
+        ids = batch.input_ids[rows]
+        labels = ids.masked_fill(batch.attention_mask[rows] == 0, -100)
+        out = lm(input_ids=ids, attention_mask=batch.attention_mask[rows], position_ids=batch.position_ids[rows],
                  labels=labels, use_cache=False)
         (out.loss * len(rows) / B).backward()
     torch.nn.utils.clip_grad_norm_(lm.parameters(), 1.0)
@@ -83,10 +84,9 @@ def raw_step(lm, opt, data, micro):
     opt.zero_grad(set_to_none=True)
 
 
-def mt_env_step(policy, opt, accelerator, cfg, data, layout):
-    old_lp = torch.zeros_like(data["target"]) - 1.0
-    adv = torch.randn_like(data["target"]) * data["target"]
-    update(policy, None, opt, None, accelerator, cfg, layout, data, old_lp, old_lp, None, adv, None, step=1)
+def mt_env_step(policy, opt, accelerator, cfg, batch):
+    models = Models(policy, opt, scheduler=None)  # the update steps optimizers; the scheduler is the loop's
+    update(batch, models, accelerator, cfg, step=1)
 
 
 def timed(fn, device, warmup, iters):
@@ -124,14 +124,14 @@ def main():
     n_params = sum(p.numel() for p in lm.parameters())
     print(f"model: {args.model} (random init), {n_params / 1e6:.0f}M parameters, {lm.dtype}")
     data = batch_from_lengths([args.seq // 2] * args.batch, [args.seq // 2] * args.batch, vocab, device)
-    tokens = int(data["attention_mask"].sum())
+    tokens = int(data.attention_mask.sum())
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-6)
     t_raw = timed(lambda: raw_step(lm, opt, data, args.micro), device, args.warmup, args.iters)
     cfg = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}",
                                          f"trainer.minibatch_size={args.batch}", "algorithm.kl_mode=loss",
                                          "algorithm.kl_coef=0.001", "rollout.max_response_tokens=2048"])
     policy = PolicyModel(lm)
-    t_ours = timed(lambda: mt_env_step(policy, opt, accelerator, cfg, data, "padded"), device, args.warmup, args.iters)
+    t_ours = timed(lambda: mt_env_step(policy, opt, accelerator, cfg, data), device, args.warmup, args.iters)
     raw_tps, ours_tps = tokens / t_raw, tokens / t_ours
     ratio = ours_tps / raw_tps
     print(f"\n[update vs raw] {args.batch} x {args.seq} tokens, micro-batch {args.micro}")
@@ -148,17 +148,17 @@ def main():
     response = [int(torch.randint(1200, 1800, (1,), generator=g) if lg else torch.randint(60, 300, (1,), generator=g))
                 for lg in long]
     multi = batch_from_lengths(prompt, response, vocab, device, seed=2)
-    real = int(multi["attention_mask"].sum())
-    slots = multi["attention_mask"].numel()
+    real = int(multi.attention_mask.sum())
+    slots = multi.attention_mask.numel()
     results = {}
     for layout, attn in (("padded", "sdpa"), ("packed", "sdpa"), ("packed", "flex_attention")):
         if attn == "flex_attention" and device.type != "cuda":
             continue
         lm.config._attn_implementation = attn
         cfg_l = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}", f"trainer.minibatch_size={n}",
-                                               "rollout.max_response_tokens=2048", "algorithm.kl_mode=none"])
-        t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg_l, multi, layout), device, 1,
-                  max(2, args.iters // 2))
+                                               "rollout.max_response_tokens=2048", "algorithm.kl_mode=none",
+                                               f"trainer.packed={layout == 'packed'}"])
+        t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg_l, multi), device, 1, max(2, args.iters // 2))
         results[f"{layout}/{attn}"] = real / t
         print(f"  {layout:<6} ({attn:<14}): {real / t:>10,.0f} real tok/s  ({t * 1e3:.0f} ms/step)")
     lm.config._attn_implementation = "sdpa"

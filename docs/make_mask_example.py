@@ -34,11 +34,11 @@ from matplotlib.patches import FancyBboxPatch, Patch
 
 import mt_env  # noqa: F401  (registers Calculator-v0)
 from envs.calculator import CalculatorEnv
-from mt_env.conversation import Sample, Seg
-from mt_env.env import ModelTurn
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.render import token_pieces
+from mt_env.sample import Sample, Seg
 from mt_env.tokenizer import offline_tokenizer
+from mt_env.turn import ModelTurn
 
 OUT = ROOT / "docs" / "img"
 OPERANDS = [347, 829]
@@ -66,9 +66,9 @@ def play_episode():
     call = HermesParser.format_turn([ToolCall("calculator", {"expression": env.task["expression"]})],
                                     "Let me compute it.")
     # Engines return the sampled ids with the stop token (<|im_end|>) last; the env keeps them verbatim.
-    env.step(ModelTurn(token_ids=fmt.encode(call) + [fmt.end_of_turn_id]))
+    env.step(ModelTurn(ids=fmt.encode(call) + [fmt.end_of_turn_id]))
     _, reward, terminated, _, info = env.step(
-        ModelTurn(token_ids=fmt.encode(f"{env.task['expression']} = {env.task['answer']}.") + [fmt.end_of_turn_id]))
+        ModelTurn(ids=fmt.encode(f"{env.task['expression']} = {env.task['answer']}.") + [fmt.end_of_turn_id]))
     assert terminated and reward == 1.0 and info["end_reason"] == "answered"
     return env
 

@@ -41,9 +41,9 @@ register_envs()
 
 _LAZY = {
     "ChatFormat": "mt_env.chat_format", "Conversation": "mt_env.conversation", "TokenBudget": "mt_env.conversation",
-    "Seg": "mt_env.conversation", "Sample": "mt_env.conversation", "check_template": "mt_env.conformance",
-    "pad_samples": "mt_env.batch", "pack_samples": "mt_env.batch", "offline_tokenizer": "mt_env.tokenizer",
-    "load_tokenizer": "mt_env.tokenizer", "ToolEnv": "mt_env.env", "ModelTurn": "mt_env.env",
+    "Seg": "mt_env.sample", "Sample": "mt_env.sample", "check_template": "mt_env.conformance",
+    "collate": "mt_env.batch", "TrainBatch": "mt_env.batch", "offline_tokenizer": "mt_env.tokenizer",
+    "load_tokenizer": "mt_env.tokenizer", "ToolEnv": "mt_env.env", "ModelTurn": "mt_env.turn",
     "ToolVectorEnv": "mt_env.vector", "BaseTool": "mt_env.tools", "ToolBox": "mt_env.tools",
     "load_tools": "mt_env.tool_config", "get_parser": "mt_env.parsers",
 }

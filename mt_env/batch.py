@@ -1,198 +1,129 @@
-"""Samples → tensors, in two layouts.
+"""Samples → one training batch, and the packed view of its rows that a model runs on.
 
-**Padded** (`pad_samples`), verl-compatible: prompts left-padded to the longest prompt, responses right-padded to the
-longest response, so every response starts at the same column ``P``. Keys (B = batch, P/R = prompt/response width):
+`collate(samples, pad_token_id)` gives a `TrainBatch`: one row per sample, the sample's tokens first and padding
+after, every per-token tensor ``[B, L]`` aligned with ``input_ids``. From here to the loss nothing changes layout
+or name — SFT and RL read the same fields:
 
-==========================  =========  ============================================================================
-``prompts``                 [B, P]     prompt ids (initial prompt incl. generation prompt), left-padded
-``responses``               [B, R]     everything after the prompt: sampled turns and observations, right-padded
-``input_ids``               [B, P+R]   ``cat(prompts, responses)``
-``attention_mask``          [B, P+R]   1 on real tokens
-``position_ids``            [B, P+R]   0,1,2,… over real tokens; 0 on left padding, last position repeated on right
-                                       padding (always defined: no NaN from garbage positions)
-``loss_mask``               [B, R]     1.0 exactly on sampled tokens of trainable samples
-``token_level_rewards``     [B, R]     turn rewards on each turn's last sampled token, final reward on the last one
-``rollout_logprobs``        [B, R]     the engine's logprobs of sampled tokens (0 elsewhere)
-``segment_kinds``           [B, P+R]   `Seg` value per token, -1 on padding
-``turn_ids``                [B, P+R]   assistant-turn index per token (-1: initial prompt or padding)
-``prompt_lengths``          [B]        real prompt lengths; ``response_lengths`` likewise
-``episode_rewards``         [B]        the episode's return (sum of all its rewards), for outcome-based advantages
-==========================  =========  ============================================================================
+=====================  =======  ===================================================================================
+``input_ids``          [B, L]   the sample's ids, then ``pad_token_id``
+``attention_mask``     [B, L]   1 on real tokens
+``position_ids``       [B, L]   0, 1, 2, … over real tokens; the last position repeated on padding (always defined)
+``loss_mask``          [B, L]   1.0 exactly on sampled tokens of trainable samples
+``rewards``            [B, L]   token-level rewards: each turn's on its last sampled token, the final one on the last
+``rollout_logprobs``   [B, L]   the engine's logprobs of sampled tokens (0 elsewhere)
+``turn_ids``           [B, L]   assistant-turn index per token (-1: the initial prompt, and padding)
+``group``, ``episode`` [B]      the collector's tags (`Sample.group`, `Sample.episode`): GRPO groups, and which
+                                per-turn samples are one episode
+``episode_rewards``    [B]      each sample's episode return
+=====================  =======  ===================================================================================
 
-**Packed** (`pack_samples`), padding-free: all sequences concatenated into one row ``[1, T]`` with restarting
-``position_ids`` and ``cu_seqlens`` ([B+1], int32, the sequence boundaries), ``seq_ids`` ([1, T], which sequence a
-token belongs to); ``loss_mask``, ``token_level_rewards``, ``rollout_logprobs``, ``segment_kinds`` and ``turn_ids``
-are ``[1, T]`` aligned with ``input_ids``. A model must not attend across sequences: build a block-diagonal mask
-from ``seq_ids`` or ``cu_seqlens`` (see `trainers`).
+The trainer adds what it computes per token — ``old_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
+``returns`` — to the same batch (`TrainBatch.replace`), so that one row selection (``batch[rows]``) is a mini- or
+micro-batch of everything, as in CleanRL's flattened batch.
 
-Both layouts carry ``episodes`` (a list, one id per sample) for grouping (GRPO) and per-turn samples.
-`unpad` / `unpack` invert them (used by the property tests: layouts round-trip).
+`pack` lays a (micro-)batch's rows end to end in one row without padding, for a model that attends
+block-diagonally (``seq_ids``); `Packed.unpack` puts per-token results back in the ``[B, L]`` layout.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from .conversation import Sample
+from .sample import Sample
 
 
-class Batch(dict):
-    """A dict of tensors (and a few lists) with `to(device)` and row selection for the padded layout."""
+@dataclass(frozen=True)
+class TrainBatch:
+    """One training batch (see the module docstring). Per-token tensors are ``[B, L]``, per-row ones ``[B]``."""
 
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch({k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in self.items()})
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    rewards: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    turn_ids: torch.Tensor
+    group: torch.Tensor
+    episode: torch.Tensor
+    episode_rewards: torch.Tensor
+    # filled by the trainer
+    old_logprobs: torch.Tensor | None = None  #: the policy's logprobs before the update, on the same ids
+    ref_logprobs: torch.Tensor | None = None  #: the KL reference model's
+    values: torch.Tensor | None = None  #: the critic's, before the update
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
 
-    def select(self, rows: Sequence[int] | torch.Tensor) -> Batch:
-        """Rows of a padded batch (tensors with batch dimension first; lists indexed likewise)."""
-        if "cu_seqlens" in self:
-            raise ValueError("select() is for padded batches; pack the chosen samples instead")
-        idx = torch.as_tensor(rows, dtype=torch.long)
-        out = Batch()
-        for k, v in self.items():
-            out[k] = v[idx] if isinstance(v, torch.Tensor) else [v[i] for i in idx.tolist()]
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def __getitem__(self, rows: torch.Tensor | Sequence[int] | slice) -> TrainBatch:
+        """The batch of `rows` (every field, per-token and per-row alike)."""
+        return self._map(lambda t: t[rows])
+
+    def to(self, device: torch.device | str) -> TrainBatch:
+        return self._map(lambda t: t.to(device))
+
+    def replace(self, **fields: torch.Tensor | None) -> TrainBatch:
+        return dataclasses.replace(self, **fields)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return TrainBatch(**{name: None if value is None else fn(value) for name, value in fields.items()})
+
+
+def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
+    """The samples as one batch: row ``b`` is sample ``b``, right-padded to the longest sample."""
+    if not samples:
+        raise ValueError("cannot batch zero samples")
+    B, L = len(samples), max(len(s.ids) for s in samples)
+
+    def per_token(values: Callable[[Sample], list], fill: float, dtype: torch.dtype) -> torch.Tensor:
+        out = torch.full((B, L), fill, dtype=dtype)
+        for b, s in enumerate(samples):
+            out[b, :len(s.ids)] = torch.tensor(values(s), dtype=dtype)
         return out
 
-    @property
-    def num_sequences(self) -> int:
-        return len(self["episodes"])
-
-
-def _response_fields(s: Sample) -> dict[str, list]:
-    n = s.prompt_len
-    rewards = s.rewards if s.rewards is not None else [0.0] * len(s.ids)
-    return dict(ids=s.ids[n:], mask=s.loss_mask()[n:], rewards=rewards[n:], logprobs=s.logprobs[n:])
-
-
-def pad_samples(
-    samples: Sequence[Sample], pad_token_id: int, prompt_width: int | None = None, response_width: int | None = None
-) -> Batch:
-    """The padded layout (see module docstring). Widths default to the longest prompt / response in the batch."""
-    if not samples:
-        raise ValueError("cannot batch zero samples")
-    P = max(s.prompt_len for s in samples)
-    R = max(len(s.ids) - s.prompt_len for s in samples)
-    if prompt_width is not None:
-        if prompt_width < P:
-            raise ValueError(f"prompt_width={prompt_width} < longest prompt {P}")
-        P = prompt_width
-    if response_width is not None:
-        if response_width < R:
-            raise ValueError(f"response_width={response_width} < longest response {R}")
-        R = response_width
-    B = len(samples)
-    prompts = torch.full((B, P), pad_token_id, dtype=torch.long)
-    responses = torch.full((B, R), pad_token_id, dtype=torch.long)
-    attention = torch.zeros((B, P + R), dtype=torch.long)
-    loss_mask = torch.zeros((B, R), dtype=torch.float32)
-    rewards = torch.zeros((B, R), dtype=torch.float32)
-    logprobs = torch.zeros((B, R), dtype=torch.float32)
-    kinds = torch.full((B, P + R), -1, dtype=torch.long)
-    turns = torch.full((B, P + R), -1, dtype=torch.long)
-    for b, s in enumerate(samples):
-        n, r = s.prompt_len, len(s.ids) - s.prompt_len
-        f = _response_fields(s)
-        prompts[b, P - n:] = torch.tensor(s.ids[:n], dtype=torch.long)
-        attention[b, P - n: P + r] = 1
-        k, t = s.kinds(), s.turns()
-        kinds[b, P - n: P + r] = torch.tensor(k, dtype=torch.long)
-        turns[b, P - n: P + r] = torch.tensor(t, dtype=torch.long)
-        if r:
-            responses[b, :r] = torch.tensor(f["ids"], dtype=torch.long)
-            loss_mask[b, :r] = torch.tensor(f["mask"], dtype=torch.float32)
-            rewards[b, :r] = torch.tensor(f["rewards"], dtype=torch.float32)
-            logprobs[b, :r] = torch.tensor(f["logprobs"], dtype=torch.float32)
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return Batch(
-        prompts=prompts, responses=responses, input_ids=torch.cat([prompts, responses], 1),
-        attention_mask=attention, position_ids=position_ids, loss_mask=loss_mask, token_level_rewards=rewards,
-        rollout_logprobs=logprobs, segment_kinds=kinds, turn_ids=turns,
-        prompt_lengths=torch.tensor([s.prompt_len for s in samples], dtype=torch.long),
-        response_lengths=torch.tensor([len(s.ids) - s.prompt_len for s in samples], dtype=torch.long),
+    attention_mask = per_token(lambda s: [1] * len(s.ids), 0, torch.long)
+    return TrainBatch(
+        input_ids=per_token(lambda s: s.ids, pad_token_id, torch.long),
+        attention_mask=attention_mask,
+        position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
+        loss_mask=per_token(Sample.loss_mask, 0.0, torch.float32),
+        rewards=per_token(lambda s: s.rewards if s.rewards is not None else [0.0] * len(s.ids), 0.0, torch.float32),
+        rollout_logprobs=per_token(lambda s: s.logprobs, 0.0, torch.float32),
+        turn_ids=per_token(Sample.turns, -1, torch.long),
+        group=torch.tensor([s.group for s in samples], dtype=torch.long),
+        episode=torch.tensor([s.episode for s in samples], dtype=torch.long),
         episode_rewards=torch.tensor([s.episode_reward for s in samples], dtype=torch.float32),
-        episodes=[s.episode for s in samples],
     )
 
 
-def pack_samples(samples: Sequence[Sample]) -> Batch:
-    """The packed layout (see module docstring): one row, no padding, restarting positions."""
-    if not samples:
-        raise ValueError("cannot batch zero samples")
-    lengths = [len(s.ids) for s in samples]
-    if min(lengths) == 0:
-        raise ValueError("cannot pack an empty sample")
-    ids, pos, seq, mask, rew, lp, kinds, turns = [], [], [], [], [], [], [], []
-    for i, s in enumerate(samples):
-        ids += s.ids
-        pos += range(len(s.ids))
-        seq += [i] * len(s.ids)
-        mask += s.loss_mask()
-        rew += s.rewards if s.rewards is not None else [0.0] * len(s.ids)
-        lp += s.logprobs
-        kinds += s.kinds()
-        turns += s.turns()
-    cu = torch.zeros(len(samples) + 1, dtype=torch.int32)
-    cu[1:] = torch.tensor(lengths).cumsum(0)
+@dataclass(frozen=True)
+class Packed:
+    """A batch's rows end to end in one row of its T real tokens (``[1, T]`` each): positions restart at 0 for
+    every sequence and ``seq_ids`` says which row a token came from. Restarting positions alone do not keep a model
+    from attending across sequences: it must attend block-diagonally (see `trainers.modeling`)."""
 
-    def row(x, dtype):
-        return torch.tensor(x, dtype=dtype).unsqueeze(0)
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    seq_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    real: torch.Tensor  #: [B, L] bool: where the packed tokens sit in the batch
 
-    return Batch(
-        input_ids=row(ids, torch.long), position_ids=row(pos, torch.long), seq_ids=row(seq, torch.long),
-        cu_seqlens=cu, loss_mask=row(mask, torch.float32), token_level_rewards=row(rew, torch.float32),
-        rollout_logprobs=row(lp, torch.float32), segment_kinds=row(kinds, torch.long), turn_ids=row(turns, torch.long),
-        prompt_lengths=torch.tensor([s.prompt_len for s in samples], dtype=torch.long),
-        episode_rewards=torch.tensor([s.episode_reward for s in samples], dtype=torch.float32),
-        episodes=[s.episode for s in samples],
-    )
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """A per-token result ``[1, T]`` back in the batch's ``[B, L]`` layout (0 on padding)."""
+        out = torch.zeros(self.real.shape, dtype=x.dtype, device=x.device)
+        out[self.real] = x[0]
+        return out
 
 
-def unpad(batch: Batch) -> list[dict[str, list]]:
-    """Per-sequence lists (ids, loss_mask, position_ids, rewards, logprobs, kinds, turns) of a padded batch."""
-    out = []
-    P = batch["prompts"].shape[1]
-    for b in range(batch["input_ids"].shape[0]):
-        n, r = int(batch["prompt_lengths"][b]), int(batch["response_lengths"][b])
-        span = slice(P - n, P + r)
-        resp = slice(0, r)
-        zeros = [0.0] * n
-        out.append(dict(
-            ids=batch["input_ids"][b, span].tolist(),
-            position_ids=batch["position_ids"][b, span].tolist(),
-            loss_mask=[0.0] * n + batch["loss_mask"][b, resp].tolist(),
-            rewards=zeros + batch["token_level_rewards"][b, resp].tolist(),
-            logprobs=zeros + batch["rollout_logprobs"][b, resp].tolist(),
-            kinds=batch["segment_kinds"][b, span].tolist(),
-            turns=batch["turn_ids"][b, span].tolist(),
-        ))
-    return out
-
-
-def unpack(batch: Batch) -> list[dict[str, list]]:
-    """Per-sequence lists of a packed batch, in the same form as `unpad`."""
-    cu = batch["cu_seqlens"].tolist()
-    out = []
-    for a, b in zip(cu[:-1], cu[1:]):
-        out.append({
-            key: batch[name][0, a:b].tolist()
-            for key, name in [("ids", "input_ids"), ("position_ids", "position_ids"), ("loss_mask", "loss_mask"),
-                              ("rewards", "token_level_rewards"), ("logprobs", "rollout_logprobs"),
-                              ("kinds", "segment_kinds"), ("turns", "turn_ids")]
-        })
-    return out
-
-
-def sample_fields(s: Sample) -> dict[str, Any]:
-    """The same per-sequence lists straight from a `Sample` (what `unpad`/`unpack` must give back; float fields are
-    rounded to float32 like the tensors)."""
-
-    def f32(x):
-        return torch.tensor(x, dtype=torch.float32).tolist()
-
-    return dict(
-        ids=list(s.ids), position_ids=list(range(len(s.ids))), loss_mask=f32(s.loss_mask()),
-        rewards=f32(s.rewards if s.rewards is not None else [0.0] * len(s.ids)), logprobs=f32(s.logprobs),
-        kinds=s.kinds(), turns=s.turns(),
-    )
+def pack(batch: TrainBatch) -> Packed:
+    """The batch's rows without padding, in one row."""
+    real = batch.attention_mask.bool()
+    seq_ids = torch.arange(len(batch), device=real.device)[:, None].expand_as(real)
+    return Packed(batch.input_ids[real][None], batch.position_ids[real][None], seq_ids[real][None],
+                  batch.loss_mask[real][None], real)

@@ -134,7 +134,6 @@ class ChatFormat:
         self.generation_prompt = self._find_generation_prompt()
         self.generation_prompt_ids = self.encode(self.generation_prompt)
         self.turn_tail = self._find_turn_tail()
-        self._conformance = None
         if self._pieces is not None:
             probe = self.render([{"role": "user", "content": "Hi <tool_call> 12 ab"}], add_generation_prompt=True)
             probe += " ".join(self.control_texts) + " x\n\n y"
@@ -276,16 +275,6 @@ class ChatFormat:
         base = [{"role": "user", "content": _USER_SENTINEL}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
         text = self.render(base, add_generation_prompt=False)
         return text.split(_ASSISTANT_SENTINEL + self.end_of_turn, 1)[-1] if _ASSISTANT_SENTINEL in text else ""
-
-    # ----------------------------------------------------------------------------------------- conformance
-    @property
-    def conformance(self):
-        """The `TemplateReport` of this format on mt_env's probe conversations (computed once)."""
-        if self._conformance is None:
-            from .conformance import check_template
-
-            self._conformance = check_template(self)
-        return self._conformance
 
     def __repr__(self) -> str:
         tools = [t.get("function", t).get("name") for t in self.tools or []]

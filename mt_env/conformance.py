@@ -4,9 +4,11 @@ That *prefix property* is what lets an episode be one training sample: the ids b
 sampled turns verbatim, then template deltas) are then exactly the ids the template gives the finished
 conversation. Templates that re-render history break it — Qwen3 drops earlier ``<think>`` blocks and gives only the
 last assistant message a think block, Llama-3.1 trims message contents. `check_template` plays probe conversations
-(tool rounds, parallel calls, follow-up questions, reasoning, whitespace at the edges, empty turns) through a
-`Conversation` and reports the first place each one breaks; `Conversation(mode="auto")` uses the verdict to choose
-between one sample per episode and one sample per turn.
+(tool rounds, parallel calls, follow-up questions, reasoning, whitespace at the edges, empty turns) turn by turn with
+the same `ChatFormat` pieces an incremental `Conversation` appends — the prompt, the sampled turns verbatim, the
+template deltas — and reports the first place each one differs from the template's rendering of the whole
+conversation so far. `Conversation(mode="auto")` asks for the verdict to choose between one sample per episode and
+one sample per turn (so this module sits below `conversation`: it needs only the format).
 
 It also notes (without failing) where a template piece merges with its neighbour when the whole text is tokenized
 at once: the model never saw such merged tokens, so they are not drift, but it is good to know.
@@ -15,10 +17,11 @@ at once: the model never saw such merged tokens, so they are not drift, but it i
 from __future__ import annotations
 
 import json
+import weakref
 from dataclasses import dataclass, field
 
 from .chat_format import ChatFormat
-from .errors import DriftError, MtEnvError
+from .errors import MtEnvError
 
 _CALL = '<tool_call>\n{"name": "lookup", "arguments": {"query": "x"}}\n</tool_call>'
 
@@ -84,53 +87,78 @@ class TemplateReport:
         return "\n".join(lines)
 
 
-_CACHE: dict[tuple, TemplateReport] = {}
+_CACHE: dict[tuple, TemplateReport] = {}  # by what determines the verdict: tokenizer, template, tools, variables
+_BY_FORMAT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # the same, one lookup per ChatFormat object
 
 
 def check_template(fmt: ChatFormat, probes: dict[str, tuple[list[dict], list]] | None = None) -> TemplateReport:
-    """Play the probe conversations through `fmt` incrementally and compare with full renderings."""
-    from .conversation import Conversation
-
+    """Play the probe conversations through `fmt` turn by turn and compare with full renderings (cached per format
+    for the bundled probes)."""
+    if probes is None and fmt in _BY_FORMAT:
+        return _BY_FORMAT[fmt]
     probes = PROBES if probes is None else probes
     key = (
         id(fmt.tokenizer), fmt.tokenizer.chat_template, json.dumps(fmt.tools, sort_keys=True),
         json.dumps(fmt.template_kwargs, sort_keys=True, default=str), fmt.end_of_turn, tuple(probes),
     )
     if probes is PROBES and key in _CACHE:
+        _BY_FORMAT[fmt] = _CACHE[key]
         return _CACHE[key]
     results, notes = [], []
     for name, (prompt, steps) in probes.items():
         try:
-            conv = Conversation(fmt, prompt, mode="incremental", strict=True)
-            for step in steps:
-                if isinstance(step, str):
-                    conv.add_assistant(fmt.encode(step) + [fmt.end_of_turn_id])
-                else:
-                    conv.add_observation(step)
-                    conv.check_drift()
-            conv.check_drift()
-            note = _merge_note(fmt, conv, name)
-            if note:
-                notes.append(note)
-            results.append(ProbeResult(name, True))
-        except DriftError as e:
-            results.append(ProbeResult(name, False, str(e)))
+            problem, note = _play(fmt, prompt, steps)
         except MtEnvError as e:
-            results.append(ProbeResult(name, False, f"{type(e).__name__}: {e}"))
+            problem, note = f"{type(e).__name__}: {e}", None
+        results.append(ProbeResult(name, problem is None, problem or ""))
+        if note:
+            notes.append(f"probe {name!r}: {note}")
     report = TemplateReport(conforms=all(r.ok for r in results), probes=results, notes=notes)
     if probes is PROBES:
-        _CACHE[key] = report
+        _CACHE[key] = _BY_FORMAT[fmt] = report
     return report
 
 
-def _merge_note(fmt: ChatFormat, conv, name: str) -> str | None:
+def _play(fmt: ChatFormat, prompt: list[dict], steps: list) -> tuple[str | None, str | None]:
+    """Build one probe's text and ids as an incremental conversation does: the rendered prompt, each assistant text
+    encoded and closed with the end-of-turn token (kept verbatim, decoded for its message), each observation as the
+    template delta. After every observation the text so far must equal the template's rendering of all messages so
+    far. Returns (the difference where it broke, or None; a note on tokens merging across turn boundaries)."""
+    messages = [fmt.clean_message(m, observation=False) for m in prompt]
+    text, gen = fmt.prompt_text(messages)
+    built, ids = text + gen, fmt.encode(text + gen)
+    for step in steps:
+        if isinstance(step, str):  # an assistant turn, sampled as the tokenizer splits it
+            sampled = fmt.encode(step) + [fmt.end_of_turn_id]
+            said = fmt.decode(sampled[:-1])
+            messages.append({"role": "assistant", "content": said})
+            built, ids = built + said + fmt.end_of_turn, ids + sampled
+            continue
+        observation = [fmt.clean_message(m, observation=True) for m in step]
+        text, gen = fmt.observation_text(observation)
+        messages += observation
+        built, ids = built + text + gen, ids + fmt.encode(text + gen)
+        whole = fmt.render(messages, add_generation_prompt=True)
+        if built != whole:
+            return _difference(built, whole), None
+    return None, _merge_note(fmt, ids, fmt.encode(built))
+
+
+def _difference(built: str, whole: str) -> str:
+    at = next((i for i, (a, b) in enumerate(zip(built, whole)) if a != b), min(len(built), len(whole)))
+    return (
+        f"the turn-by-turn text differs from the whole rendering at character {at}\n"
+        f"  turn by turn : ...{built[max(0, at - 60):at + 60]!r}\n"
+        f"  whole        : ...{whole[max(0, at - 60):at + 60]!r}"
+    )
+
+
+def _merge_note(fmt: ChatFormat, ids: list[int], whole: list[int]) -> str | None:
     """Compare the incremental ids with one-shot tokenization of the same text (sampled parts tokenized canonically)."""
-    ids = conv.current.ids
-    whole = fmt.encode("".join(s.text for s in conv.current.segments))
     if whole == ids:
         return None
     k = next((i for i, (a, b) in enumerate(zip(ids, whole)) if a != b), min(len(ids), len(whole)))
     return (
-        f"probe {name!r}: tokenizing the whole text merges tokens across a turn boundary near token {k} "
+        f"tokenizing the whole text merges tokens across a turn boundary near token {k} "
         f"({fmt.decode(ids[max(0, k - 2):k + 2])!r}); incremental ids keep what the model saw"
     )

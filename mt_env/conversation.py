@@ -16,45 +16,27 @@ Two modes:
   that turn's sampled tokens are trained on.
 
 ``"auto"`` (default) picks ``incremental`` when the format passes `mt_env.conformance.check_template`, else
-``per_turn``. With ``strict=True`` (default) `samples()` runs `check_drift()`, which raises `DriftError` with a
-readable diff when the ids differ from what the template renders around the sampled text.
+``per_turn``. With ``strict=True`` (default) `samples()` of a trainable episode runs `check_drift()`, which raises
+`DriftError` with a readable diff when the ids differ from what the template renders around the sampled text.
+
+The conversation is the one record of its episode: ids, segments, messages and rewards. Whoever drives it reads the
+next prompt from `context_ids` and keeps no copy of its own.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from .chat_format import ChatFormat
+from .conformance import check_template
 from .errors import BudgetError, ChatFormatError, ConversationError, DriftError
-
-
-class Seg(enum.IntEnum):
-    """Where a token came from."""
-
-    PROMPT = 0  #: the rendered prompt messages (system, user, tools)
-    GEN_PROMPT = 1  #: the template's generation prompt, e.g. ``<|im_start|>assistant\n``
-    SAMPLED = 2  #: sampled by the model: the only tokens with loss mask 1
-    OBSERVATION = 3  #: tool responses / user messages and the separators around them
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A run of tokens of one kind. `turn` is the assistant turn it belongs to: the turn a SAMPLED run is, the turn
-    a GEN_PROMPT opens, the turn an OBSERVATION answers; -1 for the initial prompt."""
-
-    kind: Seg
-    turn: int
-    start: int
-    end: int
-    text: str  #: the exact text these tokens stand for (decoded ids for SAMPLED runs)
-
-    def __len__(self) -> int:
-        return self.end - self.start
+from .render import render_ansi, render_html
+from .sample import Sample, Seg, Segment
+from .turn import ModelTurn
 
 
 @dataclass
@@ -90,62 +72,18 @@ class TokenBudget:
 
 
 @dataclass
-class AssistantTurn:
-    index: int
-    ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: str
-    text: str  #: the raw sampled text, without the end-of-turn token
-    closed: bool  #: the model ended the turn itself with the end-of-turn token
+class AssistantTurn(ModelTurn):
+    """A model turn as the conversation accepted it: `ids` cut to the token budget (the finish reason then becomes
+    ``length``), `text` decoded from them without the end-of-turn token, and where it sits in the conversation —
+    with the parser's view of it and the step reward it earned."""
+
+    index: int = 0  #: assistant turns count from 0
+    closed: bool = False  #: the model ended the turn itself with the end-of-turn token
     tool_calls: list[dict] | None = None
     content: str | None = None  #: display content (text outside tool calls) from a parser, if given
     reward: float = 0.0
     sample: int = 0  #: index of the `Sample` holding this turn's tokens
     message_index: int = 0  #: index of this turn's message in `Conversation.template_messages`
-
-
-@dataclass
-class Sample:
-    """One training sequence: `ids` with their segments. `prompt_len` splits prompt from response for batching."""
-
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    segments: list[Segment] = field(default_factory=list)
-    prompt_len: int = 0
-    n_messages: int = 0  #: template messages this sample covers (for the drift check)
-    rewards: list[float] | None = None  #: token-level rewards, filled by `Conversation.samples()`
-    trainable: bool = True  #: False for failed episodes: the loss mask is then all zero
-    episode: Any = None  #: id of the episode (GRPO groups and per-turn samples share it through their owner)
-    episode_reward: float = 0.0  #: the whole episode's return (the same on every sample of the episode)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def kinds(self) -> list[int]:
-        out: list[int] = []
-        for s in self.segments:
-            out += [int(s.kind)] * len(s)
-        return out
-
-    def turns(self) -> list[int]:
-        out: list[int] = []
-        for s in self.segments:
-            out += [s.turn] * len(s)
-        return out
-
-    def loss_mask(self) -> list[int]:
-        on = 1 if self.trainable else 0
-        out: list[int] = []
-        for s in self.segments:
-            out += [on if s.kind == Seg.SAMPLED else 0] * len(s)
-        return out
-
-    def _extend(self, kind: Seg, turn: int, ids: list[int], text: str, logprobs: list[float] | None = None):
-        start = len(self.ids)
-        self.ids += ids
-        self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
-        if ids or kind == Seg.SAMPLED:  # keep empty sampled turns: they carry a turn index
-            self.segments.append(Segment(kind, turn, start, start + len(ids), text))
 
 
 class Conversation:
@@ -157,7 +95,6 @@ class Conversation:
         budget: token limits; hitting one truncates the episode, never exceeds it.
         mode: ``"auto"``, ``"incremental"`` or ``"per_turn"``.
         strict: run the drift check when samples are built.
-        episode: any id, copied onto the samples (for grouping).
     """
 
     def __init__(
@@ -167,7 +104,6 @@ class Conversation:
         budget: TokenBudget | None = None,
         mode: str = "auto",
         strict: bool = True,
-        episode: Any = None,
     ):
         if mode not in ("auto", "incremental", "per_turn"):
             raise ValueError(f"mode must be auto/incremental/per_turn, got {mode!r}")
@@ -175,9 +111,8 @@ class Conversation:
             raise ChatFormatError("a conversation needs at least one prompt message")
         self.fmt = fmt
         self.budget = budget or TokenBudget()
-        self.mode = mode if mode != "auto" else ("incremental" if fmt.conformance.conforms else "per_turn")
+        self.mode = mode if mode != "auto" else ("incremental" if check_template(fmt).conforms else "per_turn")
         self.strict = strict
-        self.episode = episode
         self.template_messages: list[dict] = [fmt.clean_message(m, observation=False) for m in messages]
         self.openai_messages: list[dict] = [dict(m) for m in self.template_messages]
         self.turns: list[AssistantTurn] = []
@@ -206,8 +141,9 @@ class Conversation:
 
     @property
     def context_ids(self) -> list[int]:
-        """The token ids to send to the engine for the next assistant turn."""
-        return self.current.ids
+        """The token ids to send to the engine for the next assistant turn (a copy: appending goes through
+        `add_assistant` / `add_observation`). In ``per_turn`` mode they start over with each new sample."""
+        return list(self.current.ids)
 
     @property
     def response_len(self) -> int:
@@ -228,7 +164,7 @@ class Conversation:
         self.truncated, self.truncation_reason = True, reason
 
     def _new_sample(self, ids: list[int], text: str, gen: str) -> Sample:
-        sample = Sample(n_messages=len(self.template_messages), episode=self.episode)
+        sample = Sample(n_messages=len(self.template_messages))
         cut = self.fmt.split_generation_prompt(ids)
         if cut == len(ids):
             raise ChatFormatError("the encoded prompt does not end with the generation prompt's tokens")
@@ -428,8 +364,9 @@ class Conversation:
         """The training samples with token-level rewards: each turn's reward on the last sampled token at or before
         that turn, the final reward on the episode's last sampled token. A reward with no sampled token before it
         (an empty first turn) has no token to carry it; it still counts in `Sample.episode_reward`. Runs the drift
-        check first when `strict`. `trainable=False` (a failed episode) zeroes the loss mask."""
-        if self.strict:
+        check first when `strict`. `trainable=False` (a failed episode, whose tokens are kept but not trained on)
+        zeroes the loss mask and skips the drift check: the failure may be the drift itself."""
+        if self.strict and trainable:
             self.check_drift()
         placements: list[tuple[int, int, float]] = []  # (sample, position, reward)
         last_sampled: tuple[int, int] | None = None
@@ -449,7 +386,7 @@ class Conversation:
                     rewards[pos] += r
             out.append(
                 Sample(ids=list(s.ids), logprobs=list(s.logprobs), segments=list(s.segments), prompt_len=s.prompt_len,
-                       n_messages=s.n_messages, rewards=rewards, trainable=trainable, episode=self.episode,
+                       n_messages=s.n_messages, rewards=rewards, trainable=trainable,
                        episode_reward=self.total_reward)
             )
         return out
@@ -507,13 +444,9 @@ class Conversation:
 
     # ----------------------------------------------------------------------------------------- display
     def render_ansi(self, sample: int = -1) -> str:
-        from .render import render_ansi
-
         return render_ansi(self.samples_[sample], self.fmt.tokenizer)
 
     def render_html(self, sample: int = -1) -> str:
-        from .render import render_html
-
         return render_html(self.samples_[sample], self.fmt.tokenizer)
 
     def __repr__(self) -> str:

@@ -11,16 +11,18 @@ See `envs/calculator.py` for a small complete example and `envs/gsm8k_tool.py` f
 
 Spaces
     observation: ``Dict(text=Text, input_ids=Sequence(Discrete(vocab)))`` — the *new* text and token ids since
-        the last observation (the whole prompt after `reset`). Without a tokenizer ``input_ids`` is empty and
-        ``text`` holds the new messages as ``role: content`` blocks; the messages themselves are in
-        ``info["messages"]``.
+        the last observation (the whole prompt after `reset`; in ``per_turn`` mode, where each turn starts a new
+        sample, the whole new context). The model's next prompt is always ``env.conversation.context_ids``.
+        Without a tokenizer ``input_ids`` is empty and ``text`` holds the new messages as ``role: content``
+        blocks; the messages themselves are in ``info["messages"]``.
     action: with a tokenizer, ``Dict(token_ids=Sequence(Discrete(vocab)), finish_reason=Discrete(3))`` (0 stop,
         1 length, 2 abort); without, ``Text``. `step` also accepts a `ModelTurn`, a ``str`` or a list of ids.
 
 Rewards
     Each step returns the tool step rewards of that turn; the last step adds the episode's final reward
     (`final_reward`: by default the tools' ``calc_reward`` plus `answer_reward` of the final answer), also in
-    ``info["final_reward"]``.
+    ``info["final_reward"]``. They are recorded once — in the conversation in token mode (which places them on
+    tokens), in the env in text mode — and `episode_stats` (``info["episode"]``) reads them from there.
 
 Episode end
     ``terminated``: the model answered without a tool call (and no interaction turn follows), or a tool with
@@ -36,8 +38,8 @@ import asyncio
 import operator
 import string
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import gymnasium as gym
 import numpy as np
@@ -45,13 +47,13 @@ from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
 from .chat_format import ChatFormat, encodable, encodable_value, unencodable_at
+from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
 from .parsers import get_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox, cap_calls
-
-FINISH_REASONS = ("stop", "length", "abort")
+from .turn import FINISH_REASONS, ModelTurn
 
 
 class AnyText(spaces.Text):
@@ -87,14 +89,11 @@ class FinishReason(spaces.Discrete):
         return super().sample(mask=mask, probability=probability)
 
 
-@dataclass
-class ModelTurn:
-    """One model turn: sampled ids (verbatim), their logprobs and the engine's finish reason; or text."""
+class _End(NamedTuple):
+    """How and why an episode ends."""
 
-    token_ids: list[int] | None = None
-    text: str | None = None
-    finish_reason: str = "stop"
-    logprobs: list[float] | None = None
+    terminated: bool  #: False: truncated
+    reason: str
 
 
 class ToolEnv(gym.Env):
@@ -179,6 +178,7 @@ class ToolEnv(gym.Env):
         self.conversation: Conversation | None = None
         self.messages: list[dict] = []
         self.tool_counts: dict[str, int] = {"created": 0, "released": 0}
+        self._clear_episode()
 
     # ----------------------------------------------------------------------------------------- task hooks
     def default_tools(self) -> list[BaseTool]:
@@ -249,8 +249,7 @@ class ToolEnv(gym.Env):
     async def areset(self, *, seed: int | None = None, options: dict | None = None):
         """Async twin of `reset`, for drivers that run many envs in one event loop.
 
-        Options: ``task`` (a task row to play instead of drawing one), ``episode`` (an id copied onto the
-        conversation's training samples, e.g. ``(group, index)`` for GRPO)."""
+        Options: ``task`` (a task row to play instead of drawing one)."""
         super().reset(seed=seed)
         await self._end_episode_tools()  # a reset mid-episode releases the previous episode's tools
         options = _checked_options(options)
@@ -258,9 +257,7 @@ class ToolEnv(gym.Env):
         chosen = select_tools(self.tools, task)
         self.task = task
         self.tool_schemas = chosen.schemas  #: the tools this episode can call (and its prompt renders)
-        self.turn = 0
-        self.interactions = 0
-        self.totals = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0, "step_reward": 0.0, "final_reward": 0.0}
+        self._clear_episode()
         self._box = self.toolbox_factory(chosen.tools)
         await self._box.create_all(chosen.tools_kwargs)
         self.tool_counts["created"] += len(chosen.tools)
@@ -273,10 +270,9 @@ class ToolEnv(gym.Env):
         if self.tokenizer is not None:
             fmt = self._formats.get(key) or self._formats.setdefault(key, ChatFormat(
                 self.tokenizer, tools=chosen.schemas or None, template_kwargs=self.template_kwargs))
-            self.conversation = Conversation(fmt, messages, budget=self.budget, mode=self.mode, strict=self.strict,
-                                             episode=options.get("episode"))
-            ids = list(self.conversation.context_ids)
-            obs = {"text": "".join(s.text for s in self.conversation.current.segments), "input_ids": tuple(ids)}
+            self.conversation = Conversation(fmt, messages, budget=self.budget, mode=self.mode, strict=self.strict)
+            sample = self.conversation.current
+            obs = {"text": "".join(s.text for s in sample.segments), "input_ids": tuple(sample.ids)}
         else:
             self.conversation = None
             obs = {"text": _plain(messages), "input_ids": ()}
@@ -285,123 +281,154 @@ class ToolEnv(gym.Env):
         return obs, info
 
     async def astep(self, action):
-        """Async twin of `step`."""
+        """Async twin of `step`: take the turn, parse it, answer it (its tool calls, or a follow-up), observe the
+        answer, and score the episode when it ends."""
         if not self._active:
             raise ResetNeeded("the episode has ended (or reset() was not called): call reset() before step()")
         turn, unencodable = _encodable_turn(self._as_turn(action))
+        text, finish = self._take_turn(turn)
+        parsed, info = self._parse(text, finish)
+        messages, reward = [], 0.0
+        end = self._end_before_answer(finish, parsed)
+        if end is None and (parsed.calls or parsed.errors):
+            messages, reward, end = await self._run_tools(parsed, info)
+        elif end is None:
+            messages, end = self._follow_up(text)
+        messages, replaced = encodable_value(messages)
+        info["unencodable_chars"] += unencodable + replaced  # with the call arguments' (see _parse)
+        obs = {"text": "", "input_ids": ()}
+        if messages and end is None:
+            obs, end = self._observe(messages)
+        self._add_reward(reward)
+        info.update(messages=messages, step_reward=reward)
+        if end is not None:
+            reward += await self._finish(text, end, info)
+        return obs, reward, end is not None and end.terminated, end is not None and not end.terminated, info
+
+    def episode_stats(self) -> dict[str, Any]:
+        """The episode so far (`info["episode"]` on its last step): tool calls and errors, parse errors, turns and
+        rewards. Rewards are read from their one record: the conversation in token mode (it places them on tokens),
+        the env itself in text mode."""
+        if self.conversation is not None:
+            step, final = sum(t.reward for t in self.conversation.turns), self.conversation.final_reward
+        else:
+            step, final = sum(self._text_rewards), self._text_final
+        final = float(final or 0.0)
+        return dict(self._counts, step_reward=step, final_reward=final, turns=self.turn, total_reward=step + final)
+
+    # ----------------------------------------------------------------------------------------- the steps of a turn
+    def _take_turn(self, turn: ModelTurn) -> tuple[str, str]:
+        """Record the model's turn; returns its text and finish reason as kept (token mode: cut to the budget)."""
         self.turn += 1
         conv = self.conversation
-        if conv is not None:
-            ids = turn.token_ids if turn.token_ids is not None else self._encode_text_turn(turn)
-            assistant = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
-            text, finish = assistant.text, assistant.finish_reason
-        else:
-            text, finish = turn.text if turn.text is not None else "", turn.finish_reason
-        parsed = self._parser.parse(text)
+        if conv is None:
+            return (turn.text if turn.text is not None else ""), turn.finish_reason
+        ids = turn.ids if turn.ids is not None else self._encode_text_turn(turn)
+        kept = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
+        return kept.text, kept.finish_reason
+
+    def _parse(self, text: str, finish: str) -> tuple[Any, dict[str, Any]]:
+        """The turn's tool calls and parse errors, recorded as the assistant message's parsed view; and the step's
+        first info fields."""
+        parsed = self._parser.parse(text, finish)
+        unencodable = 0
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
             call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
             unencodable += replaced
-        openai_calls = [c.to_openai() for c in parsed.calls]
-        if conv is not None:
-            conv.set_parsed(openai_calls, parsed.content)
+        calls = [c.to_openai() for c in parsed.calls]
+        if self.conversation is not None:
+            self.conversation.set_parsed(calls, parsed.content)
         else:
-            msg = {"role": "assistant", "content": text}
-            if openai_calls:
-                msg["tool_calls"] = openai_calls
-            self.messages.append(msg)
+            self.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+        self._counts["parse_errors"] += len(parsed.errors)
+        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls,
+                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors],
+                "unencodable_chars": unencodable}
+        return parsed, info
 
-        info: dict[str, Any] = {"turn": self.turn, "finish_reason": finish, "tool_calls": openai_calls,
-                                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors]}
-        self.totals["parse_errors"] += len(parsed.errors)
-        reward, terminated, truncated, reason = 0.0, False, False, None
-        new_messages: list[dict] = []
-
+    def _end_before_answer(self, finish: str, parsed) -> _End | None:
+        """An end decided by the turn alone, before anything answers it."""
+        calls = parsed.calls or parsed.errors
         if finish == "abort":
-            truncated, reason = True, "generation aborted"
-        elif conv is not None and conv.truncated:
-            truncated, reason = True, conv.truncation_reason
-        elif parsed.calls or parsed.errors:
-            if self.turn >= self.max_turns:
-                truncated, reason = True, "turn limit reached with a pending tool call"
-            else:
-                calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
-                results = await self._box.execute_many(calls, self.max_parallel_tools)
-                reward = float(sum(r.reward for r in results))
-                new_messages = [r.to_message() for r in results]
-                info["tool_results"] = [
-                    {"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error,
-                     "error_kind": r.error_kind, "duration_s": r.duration_s, "metrics": r.metrics} for r in results]
-                errors = sum(1 for r in results if r.error_kind)
-                self.totals["tool_calls"] += len(results)
-                self.totals["tool_errors"] += errors
-                info["tool_errors"] = errors
-                if any(r.end_episode for r in results):
-                    terminated, reason = True, "a tool failed with on_error=end_episode"
-        elif finish == "length" and self.length_cut == "truncate":
-            truncated, reason = True, "turn cut by its token limit"
-        else:
-            follow = self.interaction(self.task, text) if self.interactions < self.max_interactions else None
-            if follow is None:
-                terminated, reason = True, "answered"
-            elif self.turn >= self.max_turns:
-                truncated, reason = True, "turn limit reached"
-            else:
-                self.interactions += 1
-                new_messages = [{"role": "user", "content": follow}]
+            return _End(False, "generation aborted")
+        if self.conversation is not None and self.conversation.truncated:
+            return _End(False, self.conversation.truncation_reason)
+        if calls and self.turn >= self.max_turns:
+            return _End(False, "turn limit reached with a pending tool call")
+        if not calls and finish == "length" and self.length_cut == "truncate":
+            return _End(False, "turn cut by its token limit")
+        return None
 
-        new_messages, replaced = encodable_value(new_messages)
-        unencodable += replaced
-        info["unencodable_chars"] = unencodable  # replaced with U+FFFD in the model's turn and the observation
-        obs = {"text": "", "input_ids": ()}
-        if new_messages and not (terminated or truncated):
-            if self.turn >= self.max_turns:
-                truncated, reason = True, "turn limit reached"
-            else:
-                obs, replaced = self._observe(new_messages)
-                info["replace_context"] = replaced
-                if obs is None:
-                    obs, truncated, reason = {"text": "", "input_ids": ()}, True, conv.truncation_reason
-        if conv is not None and reward:
-            conv.add_reward(reward)
-        self.totals["step_reward"] += reward
-        info["messages"] = new_messages
-        info["step_reward"] = reward
-        if terminated or truncated:
-            final, tool_rewards, answer = await self._finish(text)
-            reward += final
-            info.update(final_reward=final, tool_rewards=tool_rewards, answer_reward=answer, end_reason=reason,
-                        episode=dict(self.totals, turns=self.turn, total_reward=self.totals["step_reward"] + final,
-                                     end_reason=reason))
-        return obs, reward, terminated, truncated, info
+    async def _run_tools(self, parsed, info: dict) -> tuple[list[dict], float, _End | None]:
+        """Run the turn's calls (parse errors are answered with their message); returns the tool messages, the
+        step reward, and an end if a tool with ``on_error: end_episode`` failed."""
+        calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
+        results = await self._box.execute_many(calls, self.max_parallel_tools)
+        errors = sum(1 for r in results if r.error_kind)
+        self._counts["tool_calls"] += len(results)
+        self._counts["tool_errors"] += errors
+        info["tool_results"] = [
+            {"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error, "error_kind": r.error_kind,
+             "duration_s": r.duration_s, "metrics": r.metrics} for r in results]
+        info["tool_errors"] = errors
+        end = _End(True, "a tool failed with on_error=end_episode") if any(r.end_episode for r in results) else None
+        return [r.to_message() for r in results], float(sum(r.reward for r in results)), end
 
-    # ----------------------------------------------------------------------------------------- internals
-    def _observe(self, new_messages: list[dict]) -> tuple[dict | None, bool]:
-        """Append an observation; returns (observation, replaces_context). In tokenizer mode the ids are the template
-        delta to append — or, in per-turn mode, the whole new context (the template re-rendered the history).
-        None when the budget leaves no room for it."""
+    def _follow_up(self, final_text: str) -> tuple[list[dict], _End | None]:
+        """After an answer: the user's follow-up (`interaction`) if one is allowed and comes, else the end."""
+        follow = self.interaction(self.task, final_text) if self.interactions < self.max_interactions else None
+        if follow is None:
+            return [], _End(True, "answered")
+        if self.turn >= self.max_turns:
+            return [], _End(False, "turn limit reached")
+        self.interactions += 1
+        return [{"role": "user", "content": follow}], None
+
+    def _observe(self, messages: list[dict]) -> tuple[dict, _End | None]:
+        """Append the answer for the model to see. In token mode the ids are the template delta — or, when the
+        conversation starts a new sample (``per_turn`` mode), that sample's whole context. Ends the episode when
+        the budget leaves no room for it."""
         conv = self.conversation
         if conv is None:
-            self.messages += new_messages
-            return {"text": _plain(new_messages), "input_ids": ()}, False
-        n_samples, start = len(conv.samples_), len(conv.context_ids)
-        if not conv.add_observation(new_messages):
-            return None, False
-        replaced = len(conv.samples_) != n_samples
-        if replaced:
+            self.messages += messages
+            return {"text": _plain(messages), "input_ids": ()}, None
+        n_samples, start = len(conv.samples_), len(conv.current.ids)
+        if not conv.add_observation(messages):
+            return {"text": "", "input_ids": ()}, _End(False, conv.truncation_reason)
+        if len(conv.samples_) != n_samples:
             start = 0
-        text = "".join(s.text for s in conv.current.segments if s.start >= start)
-        return {"text": text, "input_ids": tuple(conv.context_ids[start:])}, replaced
+        sample = conv.current
+        text = "".join(s.text for s in sample.segments if s.start >= start)
+        return {"text": text, "input_ids": tuple(sample.ids[start:])}, None
 
-    async def _finish(self, final_text: str) -> tuple[float, dict, float]:
+    def _add_reward(self, reward: float) -> None:
+        if self.conversation is not None:
+            self.conversation.add_reward(reward)
+        else:
+            self._text_rewards.append(reward)
+
+    async def _finish(self, final_text: str, end: _End, info: dict) -> float:
+        """Score the ended episode and release its tools; returns the final reward (also in `info`)."""
         tool_rewards = await self._box.calc_rewards() if self._box is not None else {}
         answer = float(self.answer_reward(self.task, final_text))
         final = float(self.final_reward(self.task, final_text, tool_rewards))
-        self.totals["final_reward"] = final
         if self.conversation is not None:
             self.conversation.final_reward = final
+        else:
+            self._text_final = final
         await self._end_episode_tools()
-        return final, tool_rewards, answer
+        info.update(final_reward=final, tool_rewards=tool_rewards, answer_reward=answer, end_reason=end.reason,
+                    episode=dict(self.episode_stats(), end_reason=end.reason))
+        return final
+
+    # ----------------------------------------------------------------------------------------- internals
+    def _clear_episode(self) -> None:
+        self.turn = 0
+        self.interactions = 0
+        self._counts = {"tool_calls": 0, "tool_errors": 0, "parse_errors": 0}
+        self._text_rewards: list[float] = []  # text mode's rewards (token mode keeps them in the conversation)
+        self._text_final: float | None = None
 
     async def aabandon(self) -> None:
         """End the current episode without scoring it (e.g. after an error outside the env): its tools are released
@@ -421,14 +448,15 @@ class ToolEnv(gym.Env):
         elif isinstance(action, str):
             turn = ModelTurn(text=action)
         elif isinstance(action, Mapping):
-            turn = ModelTurn(token_ids=action.get("token_ids"), text=action.get("text"),
-                             finish_reason=action.get("finish_reason", "stop"), logprobs=action.get("logprobs"))
+            turn = ModelTurn(ids=action.get("token_ids"), text=action.get("text"),
+                             finish_reason=_finish_reason(action.get("finish_reason", "stop")),
+                             logprobs=action.get("logprobs"))
         elif isinstance(action, (list, tuple, np.ndarray)):
-            turn = ModelTurn(token_ids=action)
+            turn = ModelTurn(ids=action)
         else:
             raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
         turn = _checked_turn(turn)
-        if turn.token_ids is not None and self.tokenizer is None:
+        if turn.ids is not None and self.tokenizer is None:
             raise ValueError("token-id actions need an env created with a tokenizer; pass text instead")
         return turn
 
@@ -467,22 +495,24 @@ def _checked_options(options: Any) -> Mapping[str, Any]:
     return options
 
 
+def _finish_reason(value: Any) -> str:
+    """A finish reason given by name, or by its index in ``FINISH_REASONS`` (the action space's form)."""
+    if is_int(value):
+        value = FINISH_REASONS[int(value)] if 0 <= value < len(FINISH_REASONS) else value
+    elif not isinstance(value, str):
+        raise TypeError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {type(value).__name__}")
+    if value not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {value!r}")
+    return value
+
+
 def _checked_turn(turn: ModelTurn) -> ModelTurn:
-    """`turn` with its finish reason as a name (an index into ``FINISH_REASONS`` is accepted, as in the action
-    space) and its token ids as a list of ints; a `TypeError` or `ValueError` saying what was expected otherwise."""
-    reason = turn.finish_reason
-    if isinstance(reason, int | np.integer) and not isinstance(reason, bool):
-        reason = FINISH_REASONS[int(reason)] if 0 <= reason < len(FINISH_REASONS) else reason
-    elif not isinstance(reason, str):
-        raise TypeError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {type(reason).__name__}")
-    if reason not in FINISH_REASONS:
-        raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {reason!r}")
+    """`turn` with its text checked to be a str and its ids made a list of ints (numpy arrays and integers are
+    accepted); a `TypeError` or `ValueError` saying what was expected otherwise."""
     if turn.text is not None and not isinstance(turn.text, str):
         raise TypeError(f"a model turn's text must be a str, got {type(turn.text).__name__}")
-    if turn.token_ids is None and turn.text is None:
-        raise ValueError("a model turn needs token_ids or text")
-    ids = None if turn.token_ids is None else _int_ids(turn.token_ids)
-    return ModelTurn(token_ids=ids, text=turn.text, finish_reason=reason, logprobs=turn.logprobs)
+    reason = _finish_reason(turn.finish_reason)
+    return replace(turn, ids=None if turn.ids is None else _int_ids(turn.ids), finish_reason=reason)
 
 
 def _int_ids(ids: Any) -> list[int]:

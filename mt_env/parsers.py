@@ -7,17 +7,23 @@ A parser never raises on model text. Whatever the model wrote becomes a `ParsedT
 
 ==================  ===========================================================================================
 ``malformed_json``  the call is not JSON, or not an object with a string ``"name"``
-``truncated``       the call was cut off (a ``<tool_call>`` never closed: the turn hit its token limit)
+``truncated``       the call was cut off: the turn ended on its token limit (or was aborted) inside the call
 ``unknown_tool``    the name is not one of the episode's tools (only checked when the parser is given schemas)
 ``invalid_arguments`` the arguments are not a JSON object, or fail the tool's JSON schema (idem)
 ``too_large``       the call's text is longer than ``max_call_chars`` and was not parsed
 ==================  ===========================================================================================
+
+``parse(text, finish_reason)`` takes the engine's finish reason of the turn: only a turn that ended on ``"length"``
+(or ``"abort"``) can hold a cut-off call; a turn the model ended itself (``"stop"``: EOS or a stop string) that
+leaves a ``<tool_call>`` open is read as far as its JSON is complete. Lenient readings that the peers (vLLM, SGLang)
+also make are counted per turn in `ParsedTurn.metrics`, so a run can see how often the model needed them.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +31,10 @@ from typing import Any
 from .tool_schema import argument_error, shorten, validators_by_name
 
 PARSE_ERROR_KINDS = ("malformed_json", "truncated", "unknown_tool", "invalid_arguments", "too_large")
+#: Finish reasons of a turn that was cut off by the engine, not ended by the model.
+CUT_FINISH_REASONS = ("length", "abort")
+#: The keys of `ParsedTurn.metrics`: lenient readings of what the model wrote.
+PARSE_METRICS = ("string_arguments", "unclosed_at_stop", "array_calls")
 
 #: Default cap on the characters of one call (Hermes) or of the whole turn (Llama JSON) handed to the JSON decoder.
 MAX_CALL_CHARS = 65_536
@@ -57,13 +67,19 @@ class ParseError:
 
 @dataclass
 class ParsedTurn:
+    """One turn's text outside calls, its calls and its errors. `metrics` counts the lenient readings (keys of
+    `PARSE_METRICS`): ``string_arguments`` (``"arguments"`` given as a JSON-encoded object, decoded once),
+    ``unclosed_at_stop`` (a ``<tool_call>`` left open by a turn that ended on ``stop``), ``array_calls`` (calls
+    read from a JSON array inside one ``<tool_call>``)."""
+
     content: str
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[ParseError] = field(default_factory=list)
+    metrics: Counter = field(default_factory=Counter)
 
 
 class ToolCallParser:
-    """Base of the parsers: `parse(text) -> ParsedTurn`.
+    """Base of the parsers: `parse(text, finish_reason) -> ParsedTurn`.
 
     Args:
         tools: the episode's OpenAI tool schemas. When given, calls to other names become ``unknown_tool`` and
@@ -75,27 +91,38 @@ class ToolCallParser:
         self.validators = validators_by_name(tools) if tools is not None else None
         self.max_call_chars = max_call_chars
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, finish_reason: str = "stop") -> ParsedTurn:
+        """The content, calls and errors of one assistant turn. `finish_reason` is the engine's (``stop``,
+        ``length``, ``abort``): only a turn in `CUT_FINISH_REASONS` can hold a cut-off call."""
         raise NotImplementedError
 
-    def _decode_call(self, body: str, raw: str) -> ToolCall | ParseError:
-        """One call's JSON text -> a checked call, or the reason it is not one."""
+    def _decode_call(self, body: str, raw: str, metrics: Counter) -> list[ToolCall | ParseError]:
+        """One call's JSON text -> the checked call, or the reason it is not one. A JSON array of calls (which SGLang
+        and vLLM accept) gives one result per element, so its valid calls run and its invalid ones are reported."""
         if len(body) > self.max_call_chars:
-            return ParseError("too_large", f"the tool call is {len(body)} characters, over the limit of "
-                                           f"{self.max_call_chars}", raw)
+            return [ParseError("too_large", f"the tool call is {len(body)} characters, over the limit of "
+                                            f"{self.max_call_chars}", raw)]
         try:
             obj = json.loads(body, strict=False, parse_constant=_reject_constant)
         except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
-            return ParseError("malformed_json", f"the tool call is not valid JSON: {shorten(str(e))}", raw)
-        return self._check_call(obj, raw)
+            return [ParseError("malformed_json", f"the tool call is not valid JSON: {shorten(str(e))}", raw)]
+        if not isinstance(obj, list):
+            return [self._check_call(obj, raw, metrics)]
+        if not obj:
+            return [ParseError("malformed_json", "the tool call is an empty JSON array: it calls nothing", raw)]
+        metrics["array_calls"] += len(obj)
+        return [self._check_call(item, raw, metrics) for item in obj]
 
-    def _check_call(self, obj: Any, raw: str) -> ToolCall | ParseError:
+    def _check_call(self, obj: Any, raw: str, metrics: Counter) -> ToolCall | ParseError:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return ParseError("malformed_json", 'a tool call must be a JSON object with a string "name" and an '
                                                 '"arguments" object', raw)
         name = obj["name"]
         shown = shorten(name, 80)  # for messages: without schemas a name may be any length
         arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
+        if isinstance(arguments, str) and (decoded := _json_object(arguments)) is not None:
+            arguments = decoded  # the model serialized the object itself: decode once, as vLLM does
+            metrics["string_arguments"] += 1
         validator = None
         if self.validators is not None:
             validator = self.validators.get(name)
@@ -116,10 +143,29 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+def _json_object(text: str) -> dict | None:
+    """`text` decoded when it is a JSON object, else None (a plain string stays a string)."""
+    try:
+        value = json.loads(text, strict=False, parse_constant=_reject_constant)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _add(turn: ParsedTurn, results: Sequence[ToolCall | ParseError]) -> None:
+    for result in results:
+        (turn.calls if isinstance(result, ToolCall) else turn.errors).append(result)
+
+
+_CUT_WHY = {"length": "the turn hit its token limit", "abort": "the generation was aborted"}
+
+
 class HermesParser(ToolCallParser):
     """Hermes / Qwen2.5 / Qwen3: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks anywhere in the
-    turn, several per turn. Text around them is the content. Calls inside ``<think>...</think>`` are reasoning and
-    are ignored (so is everything before a lone ``</think>``, whose ``<think>`` the template wrote).
+    turn, several per turn (or a JSON array of calls in one block). Text around them is the content. Calls inside
+    ``<think>...</think>`` are reasoning and are ignored (so is everything before a lone ``</think>``, whose
+    ``<think>`` the template wrote). A ``<tool_call>`` still open when the turn ends is cut off if the engine cut
+    the turn, and read as a call if the model stopped (the closing tag is then often all that is missing).
 
     The format cannot quote its own tags: an argument string containing ``</tool_call>`` ends the call there, as
     in every Hermes parser."""
@@ -127,10 +173,9 @@ class HermesParser(ToolCallParser):
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, finish_reason: str = "stop") -> ParsedTurn:
+        turn = ParsedTurn("")
         content: list[str] = []
-        calls: list[ToolCall] = []
-        errors: list[ParseError] = []
         pos = 0  # start of the text not yet assigned to content or to a call
         scan = self._after_leading_reasoning(text)  # where to look for the next call or think block
         next_call = next_think = -2  # cached positions of the next tags (-1: none left, -2: not looked up)
@@ -154,20 +199,26 @@ class HermesParser(ToolCallParser):
             reopened = text.find(self.OPEN, body_start)
             end = text.find(self.CLOSE, body_start, reopened if reopened >= 0 else len(text))
             if end < 0 and reopened < 0:
-                errors.append(ParseError("truncated", "the tool call was cut off before </tool_call> (the turn "
-                                                      "probably hit its token limit)", text[start:]))
-                pos = len(text)
+                _add(turn, self._unclosed_call(text[start:], finish_reason, turn.metrics))
                 break
             if end < 0:
-                errors.append(ParseError("malformed_json", "a <tool_call> was opened before the previous one was "
-                                                           "closed with </tool_call>", text[start:reopened]))
+                turn.errors.append(ParseError("malformed_json", "a <tool_call> was opened before the previous one "
+                                                                "was closed with </tool_call>", text[start:reopened]))
                 pos = scan = reopened
                 continue
             raw = text[start:end + len(self.CLOSE)]
-            result = self._decode_call(text[body_start:end].strip(), raw)
-            (calls if isinstance(result, ToolCall) else errors).append(result)
+            _add(turn, self._decode_call(text[body_start:end].strip(), raw, turn.metrics))
             pos = scan = end + len(self.CLOSE)
-        return ParsedTurn("".join(content).strip(), calls, errors)
+        turn.content = "".join(content).strip()
+        return turn
+
+    def _unclosed_call(self, raw: str, finish_reason: str, metrics: Counter) -> list[ToolCall | ParseError]:
+        """A ``<tool_call>`` still open at the end of the turn (`raw` runs from the tag to the end)."""
+        if finish_reason in CUT_FINISH_REASONS:
+            return [ParseError("truncated", f"the tool call was cut off before </tool_call> "
+                                            f"({_CUT_WHY[finish_reason]})", raw)]
+        metrics["unclosed_at_stop"] += 1  # the model stopped: read the call if its JSON is whole, as vLLM does
+        return self._decode_call(raw[len(self.OPEN):].strip(), raw, metrics)
 
     def _after_leading_reasoning(self, text: str) -> int:
         """Where the answer starts when the turn begins inside reasoning (a ``</think>`` with no ``<think>`` before
@@ -186,49 +237,67 @@ class HermesParser(ToolCallParser):
 
 
 class Llama3JsonParser(ToolCallParser):
-    """Llama-3.1 JSON tool calls: the whole turn is ``{"name": ..., "parameters": {...}}`` (``"arguments"`` is
-    accepted too), optionally after ``<|python_tag|>``, several calls separated by ``;``. A turn that does not start
-    like a call is plain content. `max_call_chars` caps the whole turn here."""
+    """Llama-3.1 JSON tool calls: ``{"name": ..., "parameters": {...}}`` (``"arguments"`` is accepted too). The calls
+    either make up the whole turn, or follow a ``<|python_tag|>`` (the text before the tag is the content). Several
+    calls are separated by ``;``, by a newline or by another ``<|python_tag|>``. A turn that neither starts like a
+    call nor holds the tag is plain content; text after the calls is an error, and so is everything after a call
+    that does not parse (the peers are more lenient here: see docs/tools.md). `max_call_chars` caps the calls'
+    text as a whole."""
 
     PYTHON_TAG = "<|python_tag|>"
     _CALL_START = re.compile(r'\{\s*"(?:name|type)"\s*:')
 
-    def parse(self, text: str) -> ParsedTurn:
-        body = text.strip()
-        tagged = body.startswith(self.PYTHON_TAG)
-        if tagged:
+    def parse(self, text: str, finish_reason: str = "stop") -> ParsedTurn:
+        stripped = text.strip()
+        start = 0 if self._CALL_START.match(stripped) else stripped.find(self.PYTHON_TAG)
+        if start < 0:
+            return ParsedTurn(stripped)
+        turn = ParsedTurn(stripped[:start].rstrip())
+        body = stripped[start:]
+        if body.startswith(self.PYTHON_TAG):
             body = body[len(self.PYTHON_TAG):].lstrip()
-        elif not self._CALL_START.match(body):
-            return ParsedTurn(body)
         if len(body) > self.max_call_chars:
-            return ParsedTurn("", [], [ParseError("too_large", f"the tool calls are {len(body)} characters, over "
-                                                               f"the limit of {self.max_call_chars}", body)])
+            turn.errors.append(ParseError("too_large", f"the tool calls are {len(body)} characters, over the limit "
+                                                       f"of {self.max_call_chars}", body))
+            return turn
         decoder = json.JSONDecoder(strict=False, parse_constant=_reject_constant)
-        calls: list[ToolCall] = []
-        errors: list[ParseError] = []
         pos = 0
         while pos < len(body):
             try:
                 obj, end = decoder.raw_decode(body, pos)
             except (ValueError, RecursionError) as e:
-                cut = isinstance(e, json.JSONDecodeError) and (e.pos >= len(body) or e.msg.startswith("Unterminated"))
+                cut = finish_reason in CUT_FINISH_REASONS and isinstance(e, json.JSONDecodeError) and (
+                    e.pos >= len(body) or e.msg.startswith("Unterminated"))
                 kind, why = ("truncated", "was cut off") if cut else ("malformed_json", "is not valid JSON")
-                errors.append(ParseError(kind, f"the tool call {why}: {shorten(str(e))}", body[pos:]))
+                turn.errors.append(ParseError(kind, f"the tool call {why}: {shorten(str(e))}", body[pos:]))
                 break
-            result = self._check_call(obj, body[pos:end])
-            (calls if isinstance(result, ToolCall) else errors).append(result)
-            pos = _skip_space(body, end)
-            if pos < len(body) and body[pos] == ";":
-                pos = _skip_space(body, pos + 1)
-            elif pos < len(body):
-                errors.append(ParseError("malformed_json", "unexpected text after a tool call (separate calls with "
-                                                           f"';'): {shorten(body[pos:], 80)!r}", body[pos:]))
+            _add(turn, [self._check_call(obj, body[pos:end], turn.metrics)])
+            pos = self._next_call(body, end)
+            if pos is None:
+                rest = body[end:].strip()
+                turn.errors.append(ParseError("malformed_json", "unexpected text after a tool call (separate calls "
+                                                                f"with ';'): {shorten(rest, 80)!r}", rest))
                 break
-        return ParsedTurn("", calls, errors)
+        return turn
+
+    def _next_call(self, body: str, end: int) -> int | None:
+        """Where the call after the one ending at `end` starts: past one separator (``;``, ``<|python_tag|>``, or a
+        newline followed by another call) and the space around it; ``len(body)`` at the end; None when other text
+        follows."""
+        pos = _skip_space(body, end)
+        newline = "\n" in body[end:pos]
+        marked = False
+        if body.startswith(";", pos):
+            pos, marked = _skip_space(body, pos + 1), True
+        if body.startswith(self.PYTHON_TAG, pos):
+            pos, marked = _skip_space(body, pos + len(self.PYTHON_TAG)), True
+        if pos == len(body) or marked or (newline and self._CALL_START.match(body, pos)):
+            return pos
+        return None
 
     @classmethod
     def format_turn(cls, calls: Sequence[ToolCall | Mapping[str, Any]], content: str = "") -> str:
-        """The assistant text for `calls` in Llama-3.1 JSON format (this format has no room for `content`)."""
+        """The assistant text for `calls` in Llama-3.1 JSON format (the template renders no content next to calls)."""
         if content:
             raise ValueError("the Llama-3.1 JSON format cannot carry content next to tool calls")
         return "; ".join(_call_json(c, "parameters") for c in calls)
@@ -273,7 +342,7 @@ class SGLangParser(ToolCallParser):
         self.format = fmt
         self._parser = FunctionCallParser(tools=sglang_tools, tool_call_parser=fmt)
 
-    def parse(self, text: str) -> ParsedTurn:
+    def parse(self, text: str, finish_reason: str = "stop") -> ParsedTurn:
         if len(text) > self.max_call_chars:
             return ParsedTurn("", [], [ParseError("too_large", f"the turn is {len(text)} characters, over the "
                                                                f"limit of {self.max_call_chars}", text)])
@@ -282,22 +351,19 @@ class SGLangParser(ToolCallParser):
         except Exception as e:  # sglang's detectors raise on some malformed input
             return ParsedTurn(text.strip(), [], [ParseError("malformed_json", f"sglang could not parse the tool "
                                                                               f"calls: {shorten(str(e))}", text)])
-        calls: list[ToolCall] = []
-        errors: list[ParseError] = []
+        turn = ParsedTurn(content.strip())
         for item in items:
             try:
                 arguments = json.loads(item.parameters or "{}", parse_constant=_reject_constant)
             except (ValueError, RecursionError) as e:
-                errors.append(ParseError("malformed_json", f"the arguments are not valid JSON: {shorten(str(e))}",
-                                         item.parameters or "", item.name))
+                turn.errors.append(ParseError("malformed_json", f"the arguments are not valid JSON: "
+                                                                f"{shorten(str(e))}", item.parameters or "", item.name))
                 continue
-            result = self._check_call({"name": item.name, "arguments": arguments}, item.parameters or "")
+            result = self._check_call({"name": item.name, "arguments": arguments}, item.parameters or "", turn.metrics)
             if isinstance(result, ToolCall):
                 result.id = getattr(item, "tool_call_id", None)
-                calls.append(result)
-            else:
-                errors.append(result)
-        return ParsedTurn(content.strip(), calls, errors)
+            _add(turn, [result])
+        return turn
 
 
 #: Parser names for `get_parser`; add a format by adding a class here.

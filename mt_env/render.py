@@ -10,7 +10,7 @@ import codecs
 import html
 from functools import cache
 
-from .conversation import Sample, Seg
+from .sample import Sample, Seg
 
 # ANSI: (background of even tokens, background of odd tokens, foreground)
 _ANSI = {

@@ -13,12 +13,15 @@ The YAML shape, as in verl::
             description: Evaluate an arithmetic expression.
             parameters: {type: object, properties: {expression: {type: string}}, required: [expression]}
 
-verl's own class names are mapped to mt_env's classes through `TOOL_CLASS_ALIASES`.
+verl's own class names are mapped to mt_env's classes through `TOOL_CLASS_ALIASES`. As in verl's registry, an entry
+may leave out ``tool_schema`` when its class has a built-in one (its constructor's ``tool_schema`` is optional, as
+for ``CalculatorTool`` and the GSM8K tool).
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,20 +83,28 @@ def _build_tool(entry: Any, where: str) -> BaseTool:
         raise ToolConfigError(f"{where}: unknown key(s) {unknown}; an entry has {_ENTRY_KEYS}")
     if not isinstance(entry.get("class_name"), str) or not entry["class_name"]:
         raise ToolConfigError(f"{where}: class_name must be a dotted path, e.g. 'mt_env.calculator.CalculatorTool'")
-    if "tool_schema" not in entry:
-        raise ToolConfigError(f"{where}: tool_schema is missing")
     config = entry.get("config") or {}
     if not isinstance(config, Mapping):
         raise ToolConfigError(f"{where}: config must be a mapping, got {type(config).__name__}")
     if config.get("type", "native") != "native":
         raise ToolConfigError(f"{where}: config.type {config['type']!r} is not supported (only native tools)")
     cls = resolve_tool_class(entry["class_name"], where)
+    tool_schema = entry.get("tool_schema")
+    if tool_schema is None and not _has_builtin_schema(cls):
+        raise ToolConfigError(f"{where}: tool_schema is missing, and {cls.__name__} has no built-in schema to use")
     try:
-        return cls(config=dict(config), tool_schema=entry["tool_schema"])
+        return cls(config=dict(config), tool_schema=tool_schema)
     except ToolConfigError as e:
         raise ToolConfigError(f"{where}: {e}") from None
     except Exception as e:
         raise ToolConfigError(f"{where}: constructing {cls.__name__} failed: {type(e).__name__}: {e}") from e
+
+
+def _has_builtin_schema(cls: type[BaseTool]) -> bool:
+    """Whether `cls` can be built without a schema: its constructor's ``tool_schema`` has a default (verl's registry
+    passes ``tool_schema=None`` to such classes)."""
+    parameter = inspect.signature(cls).parameters.get("tool_schema")
+    return parameter is not None and parameter.default is not inspect.Parameter.empty
 
 
 def resolve_tool_class(class_name: str, where: str = "tool config") -> type[BaseTool]:

@@ -37,7 +37,6 @@ import inspect
 import json
 import logging
 import math
-import numbers
 import time
 import types
 import uuid
@@ -47,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from .checks import is_int, is_real
 from .errors import ToolConfigError, ToolError, TransientToolError
 from .isolation import ProcessInstance, check_isolatable, created_id, use_daemon_threads, watch_step
 from .parsers import ParseError, ToolCall
@@ -81,10 +81,10 @@ class ToolSettings:
     def from_config(cls, config: Mapping[str, Any], tool: str) -> ToolSettings:
         settings = cls(**{f.name: config[f.name] for f in fields(cls) if f.name in config})
         checks = [
-            ("timeout", _is_number(settings.timeout) and 0 < settings.timeout < math.inf, "a positive number"),
-            ("max_concurrency", _is_int(settings.max_concurrency) and settings.max_concurrency >= 1, "an int >= 1"),
-            ("retries", _is_int(settings.retries) and settings.retries >= 0, "an int >= 0"),
-            ("max_response_chars", _is_int(settings.max_response_chars) and settings.max_response_chars >= 1,
+            ("timeout", is_real(settings.timeout) and 0 < settings.timeout < math.inf, "a positive number"),
+            ("max_concurrency", is_int(settings.max_concurrency) and settings.max_concurrency >= 1, "an int >= 1"),
+            ("retries", is_int(settings.retries) and settings.retries >= 0, "an int >= 0"),
+            ("max_response_chars", is_int(settings.max_response_chars) and settings.max_response_chars >= 1,
              "an int >= 1"),
             ("on_error", settings.on_error in ("continue", "end_episode"), "'continue' or 'end_episode'"),
             ("isolation", settings.isolation in ("none", "process"), "'none' or 'process'"),
@@ -93,14 +93,6 @@ class ToolSettings:
             if not ok:
                 raise ToolConfigError(f"tool {tool!r}: config.{key} must be {expected}, got {getattr(settings, key)!r}")
         return settings
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 @dataclass
@@ -315,7 +307,7 @@ class ToolBox:
                 value = await _with_timeout(
                     self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
                     tool.settings.timeout, (name, "calc_reward"))
-                if not _is_number(value) or not math.isfinite(value):
+                if not is_real(value) or not math.isfinite(value):
                     raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
                 return float(value)
             except Exception as e:
@@ -578,7 +570,7 @@ def _response_problem(output: Any) -> str | None:
             return f"ToolResponse.images must be a list or None, got {type(response.images).__name__}"
     elif not isinstance(response, str):
         return f"the response must be a str or a ToolResponse, got {type(response).__name__}"
-    if not _is_number(reward) or not math.isfinite(reward):
+    if not is_real(reward) or not math.isfinite(reward):
         return f"the reward must be a finite number, got {shorten(repr(reward), 80)}"
     if not isinstance(metrics, Mapping):
         return f"the metrics must be a dict, got {type(metrics).__name__}"

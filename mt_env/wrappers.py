@@ -19,9 +19,10 @@ from typing import Any
 
 import gymnasium as gym
 
-from .env import ModelTurn, ToolEnv
+from .env import ToolEnv
 from .errors import MtEnvError
 from .tools import ToolResult
+from .turn import ModelTurn
 
 
 def _jsonable(x: Any) -> Any:
@@ -30,7 +31,7 @@ def _jsonable(x: Any) -> Any:
 
 def _action_record(action: Any) -> dict:
     if isinstance(action, ModelTurn):
-        return {"token_ids": action.token_ids, "text": action.text, "finish_reason": action.finish_reason,
+        return {"token_ids": action.ids, "text": action.text, "finish_reason": action.finish_reason,
                 "logprobs": action.logprobs}
     if isinstance(action, str):
         return {"text": action}
@@ -98,7 +99,7 @@ def episode_actions(episode: Mapping[str, Any]) -> Iterator[ModelTurn]:
     """The recorded model turns of `episode`, as `ModelTurn`s to pass to `step`."""
     for step in episode["steps"]:
         a = step["action"]
-        yield ModelTurn(token_ids=a.get("token_ids"), text=a.get("text"),
+        yield ModelTurn(ids=a.get("token_ids"), text=a.get("text"),
                         finish_reason=a.get("finish_reason", "stop"), logprobs=a.get("logprobs"))
 
 
@@ -168,9 +169,8 @@ def sft_trace(env: ToolEnv) -> dict:
     if conv is not None:
         messages = [dict(m) for m in conv.template_messages]
         parsed = [m.get("tool_calls") for m in conv.messages if m["role"] == "assistant"]
-        reward = conv.total_reward
     else:
         messages = [{k: v for k, v in m.items() if k != "tool_calls"} for m in env.messages]
         parsed = [m.get("tool_calls") for m in env.messages if m["role"] == "assistant"]
-        reward = env.totals["step_reward"] + env.totals["final_reward"]
-    return {"messages": messages, "tools": env.tool_schemas, "tool_calls": parsed, "reward": reward}
+    return {"messages": messages, "tools": env.tool_schemas, "tool_calls": parsed,
+            "reward": env.episode_stats()["total_reward"]}

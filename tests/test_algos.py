@@ -145,30 +145,30 @@ def _batch():
     torch.manual_seed(0)
     ids = torch.randint(0, 100, (2, 12))
     # prompt 0-3, sampled 4-6, observation 7-8, sampled 9-11 (row 0); row 1 similar but shorter
-    target = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0]]).float()
+    loss_mask = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1], [0, 0, 0, 0, 1, 1, 0, 0, 1, 1, 0, 0]]).float()
     attention = torch.tensor([[1] * 12, [1] * 10 + [0] * 2])
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    return ids, target, attention, positions
+    return ids, loss_mask, attention, positions
 
 
 def test_tool_tokens_get_exactly_zero_gradient():
     """The gradient of the loss w.r.t. the logits that predict tool/prompt/padding tokens is exactly zero."""
     lm = build_causal_lm(config=TINY, vocab_size=100)
-    ids, target, attention, positions = _batch()
+    ids, loss_mask, attention, positions = _batch()
     logits = lm(input_ids=ids, attention_mask=attention, position_ids=positions).logits
     logits.retain_grad()
     lp_full = torch.zeros(ids.shape)
     lp_full[:, 1:] = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    loss, _ = policy_loss(lp_full, lp_full.detach() - 0.1, torch.randn(ids.shape), target)
+    loss, _ = policy_loss(lp_full, lp_full.detach() - 0.1, torch.randn(ids.shape), loss_mask)
     loss.backward()
-    predicts_masked = target[:, 1:] == 0  # logits at t predict token t+1
+    predicts_masked = loss_mask[:, 1:] == 0  # logits at t predict token t+1
     assert bool((logits.grad[:, :-1][predicts_masked] == 0).all())
     assert bool((logits.grad[:, -1] == 0).all())
     assert float(logits.grad[:, :-1][~predicts_masked].abs().sum()) > 0
     # and the selective PolicyModel forward gives the same logprobs at the sampled tokens
-    lp_sel, ent = PolicyModel(lm)(ids, target, attention_mask=attention, position_ids=positions, with_entropy=True)
-    assert torch.allclose(lp_sel[target > 0], lp_full.detach()[target > 0], atol=1e-5)
-    assert bool((lp_sel[target == 0] == 0).all()) and bool((ent[target > 0] > 0).all())
+    lp_sel, ent = PolicyModel(lm)(ids, loss_mask, attention_mask=attention, position_ids=positions, with_entropy=True)
+    assert torch.allclose(lp_sel[loss_mask > 0], lp_full.detach()[loss_mask > 0], atol=1e-5)
+    assert bool((lp_sel[loss_mask == 0] == 0).all()) and bool((ent[loss_mask > 0] > 0).all())
 
 
 DEVICE = torch.device(os.environ.get("MT_ENV_TEST_DEVICE", "cpu"))
@@ -188,21 +188,21 @@ def test_packed_logprobs_equal_per_sequence_logprobs(impl):
     ids = torch.cat(seqs)[None]
     pos = torch.cat([torch.arange(len(s), device=DEVICE) for s in seqs])[None]
     seq_ids = torch.cat([torch.full((len(s),), i, device=DEVICE) for i, s in enumerate(seqs)])[None]
-    target = torch.ones_like(ids, dtype=torch.float)
+    loss_mask = torch.ones_like(ids, dtype=torch.float)
     starts = [0, 7, 10]
-    target[0, starts] = 0  # the first token of a sequence has nothing to be predicted from
-    packed, _ = policy(ids, target, position_ids=pos, seq_ids=seq_ids)
+    loss_mask[0, starts] = 0  # the first token of a sequence has nothing to be predicted from
+    packed, _ = policy(ids, loss_mask, position_ids=pos, seq_ids=seq_ids)
     for s, a, start in zip(seqs, alone, starts):
         diff = (packed[0, start + 1:start + len(s)] - a[1:]).abs().max().item()
         assert diff < 1e-5, f"{impl}: packed logprobs differ from the sequence alone by {diff:.2e}"
     # with a plain (all-ones) mask the second sequence sees the first: the check above is not vacuous
     if impl != "flex_attention":
-        leaky, _ = policy(ids, target, attention_mask=torch.ones_like(ids), position_ids=pos)
+        leaky, _ = policy(ids, loss_mask, attention_mask=torch.ones_like(ids), position_ids=pos)
         assert not torch.allclose(leaky[0, 8:10], alone[1][1:], atol=1e-3)
     critic = CriticModel.from_policy(lm)
     torch.nn.init.normal_(critic.head.weight)
     v_alone = critic(seqs[1][None], torch.ones(1, 3, device=DEVICE))[0]
-    v_packed = critic(ids, target, position_ids=pos, seq_ids=seq_ids)[0]
+    v_packed = critic(ids, loss_mask, position_ids=pos, seq_ids=seq_ids)[0]
     assert torch.allclose(v_packed[8:10], v_alone[1:], atol=1e-5)
 
 

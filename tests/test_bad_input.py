@@ -11,7 +11,7 @@ import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
 from mt_env.chat_format import ChatFormat, encodable, encodable_value
 from mt_env.conversation import Conversation
-from mt_env.env import ModelTurn
+from mt_env.turn import ModelTurn
 from mt_env.errors import ChatFormatError
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.tools import BaseTool
@@ -154,14 +154,14 @@ def test_bad_reset_options(options, error, message):
 
 
 @pytest.mark.parametrize("action, error, message", [
-    (ModelTurn(text="x", finish_reason=None), TypeError, "finish_reason must be one of .* or its index, got NoneType"),
-    (ModelTurn(text="x", finish_reason=np.array([0, 1])), TypeError, "got ndarray"),
-    (ModelTurn(text="x", finish_reason="done"), ValueError, "finish_reason must be one of .*got 'done'"),
+    ({"text": "x", "finish_reason": None}, TypeError, "finish_reason must be one of .* or its index, got NoneType"),
+    ({"text": "x", "finish_reason": np.array([0, 1])}, TypeError, "got ndarray"),
+    ({"text": "x", "finish_reason": "done"}, ValueError, "finish_reason must be one of .*got 'done'"),
     ({"text": "x", "finish_reason": 5}, ValueError, "finish_reason must be one of .*got 5"),
     (ModelTurn(text=5), TypeError, "a model turn's text must be a str, got int"),
     ({"token_ids": ["a"]}, TypeError, "token_ids must be a sequence of ints"),
-    (ModelTurn(token_ids="abc"), TypeError, "token_ids must be a sequence of ints"),
-    (ModelTurn(), ValueError, "a model turn needs token_ids or text"),
+    (ModelTurn(ids="abc"), TypeError, "token_ids must be a sequence of ints"),
+    ({}, ValueError, "a model turn needs ids or text"),
 ])
 def test_bad_model_turns(qwen25, action, error, message):
     env = CalculatorEnv(tokenizer=qwen25)
@@ -170,9 +170,12 @@ def test_bad_model_turns(qwen25, action, error, message):
         env.step(action)
 
 
-def test_finish_reasons_by_index_and_numpy_ids_are_accepted(qwen25):
+def test_numpy_ids_and_finish_reason_indexes_are_accepted(qwen25):
     env = CalculatorEnv(tokenizer=qwen25)
     env.reset(seed=0)
     ids = np.array(env.conversation.fmt.encode("The answer is 6."))
-    *_, truncated, info = env.step(ModelTurn(token_ids=ids, finish_reason=np.int64(1)))  # the action space's index
+    *_, truncated, info = env.step(ModelTurn(ids=ids, finish_reason="length"))
     assert truncated and info["finish_reason"] == "length"
+    env.reset(seed=0)
+    *_, truncated, info = env.step({"token_ids": ids, "finish_reason": np.int64(1)})  # the action space's form
+    assert truncated and info["finish_reason"] == "length" and env.conversation.turns[0].ids == ids.tolist()

@@ -9,8 +9,9 @@ import pytest
 
 from mt_env.chat_format import ZERO_WIDTH_SPACE, ChatFormat
 from mt_env.conformance import check_template
-from mt_env.conversation import Conversation, Seg, TokenBudget
+from mt_env.conversation import Conversation, TokenBudget
 from mt_env.errors import BudgetError, ChatFormatError, ConversationError, DriftError
+from mt_env.sample import Seg
 
 from .conftest import LOOKUP_TOOL
 
@@ -229,6 +230,10 @@ def test_qwen3_reasoning_drift_is_caught_and_per_turn_mode_splits(qwen3):
 
     with pytest.raises(DriftError, match=r"(?s)turn 0.*per_turn"):
         play("incremental").samples()
+    # a failed episode's tokens are kept untrained: nothing is trained, so no drift check (strict stays as set)
+    drifted = play("incremental")
+    (kept,) = drifted.samples(trainable=False)
+    assert drifted.strict and kept.ids == drifted.current.ids and sum(kept.loss_mask()) == 0
     conv = play("auto")
     assert conv.mode == "per_turn"
     first, second = conv.samples()

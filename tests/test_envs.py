@@ -15,11 +15,11 @@ from gymnasium.utils.env_checker import check_env
 import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import GSM8kToolEnv, Gsm8kTool, extract_final_answer, make_row
-from mt_env.conversation import Seg
-from mt_env.env import ModelTurn
 from mt_env.errors import MtEnvError
 from mt_env.parsers import HermesParser, ToolCall
+from mt_env.sample import Seg
 from mt_env.tools import BaseTool
+from mt_env.turn import ModelTurn
 from mt_env.vector import ToolVectorEnv
 from mt_env.wrappers import RecordEpisodes, ReplayTools, episode_actions, load_episodes, sft_trace
 
@@ -85,13 +85,13 @@ def test_token_episode_gives_template_deltas_and_training_samples(qwen25):
     ids = list(obs["input_ids"])
     turn = fmt.encode(call("calculator", expression=env.task["expression"])) + [fmt.end_of_turn_id]
     obs, reward, terminated, truncated, info = env.step({"token_ids": turn, "finish_reason": 0})
-    assert not (terminated or truncated) and not info["replace_context"]
+    assert not (terminated or truncated)
     assert fmt.decode(obs["input_ids"]).startswith("\n<|im_start|>user\n<tool_response>\n")
     assert obs["text"] == fmt.decode(obs["input_ids"])
     ids += turn + list(obs["input_ids"])
     assert ids == env.conversation.context_ids  # appending observations reproduces the context exactly
     answer = fmt.encode(f"The answer is {env.task['answer']}.") + [fmt.end_of_turn_id]
-    obs, reward, terminated, truncated, info = env.step(ModelTurn(token_ids=answer, logprobs=[-0.5] * len(answer)))
+    obs, reward, terminated, truncated, info = env.step(ModelTurn(ids=answer, logprobs=[-0.5] * len(answer)))
     assert terminated and reward == 1.0
     (sample,) = env.conversation.samples()
     assert sum(sample.loss_mask()) == len(turn) + len(answer)
@@ -99,6 +99,43 @@ def test_token_episode_gives_template_deltas_and_training_samples(qwen25):
     assert env.conversation.messages[2]["tool_calls"][0]["id"] == env.conversation.messages[3]["tool_call_id"]
     rendered = env.render() if env.render_mode else env.conversation.render_html()
     assert "sampled" in rendered
+
+
+def test_per_turn_observations_are_the_new_context(qwen3):
+    """In per_turn mode each turn starts a new sample whose prompt the template re-renders: the observation is
+    that whole context, the same ids as `conversation.context_ids` (what a driver sends) — no other channel."""
+    env = gym.make("Calculator-v0", tokenizer=qwen3, mode="per_turn").unwrapped
+    obs, _ = env.reset(seed=3)
+    fmt = env.conversation.fmt
+    assert list(obs["input_ids"]) == env.conversation.context_ids
+    turn = fmt.encode("<think>\nhmm\n</think>\n\n" + call("calculator", expression=env.task["expression"]))
+    obs, _, terminated, truncated, info = env.step({"token_ids": turn + [fmt.end_of_turn_id], "finish_reason": 0})
+    assert not (terminated or truncated) and "replace_context" not in info
+    context = env.conversation.context_ids
+    assert list(obs["input_ids"]) == context and len(env.conversation.samples_) == 2
+    assert context == fmt.encode(fmt.render(env.conversation.template_messages, add_generation_prompt=True))
+    assert obs["text"] == fmt.decode(context)
+
+
+@pytest.mark.parametrize("tokenizer", [None, "offline:qwen2.5"])
+def test_rewards_have_one_record(tokenizer):
+    """Step rewards and the final reward are recorded once (the conversation in token mode); the episode summary,
+    the step returns and the training samples all agree with it."""
+    env = gym.make("GSM8kTool-v0", tokenizer=tokenizer, data_path=gsm8k_dir()).unwrapped
+    env.reset(options={"task": make_row("Tom has 3 apples and buys 4 more. How many?", "3+4=7\n#### 7", 0)})
+    check = call("calc_gsm8k_reward", answer="6")
+    returns = [env.step(check)[1], env.step(check)[1]]  # the repeated wrong check is penalised
+    _, reward, terminated, _, info = env.step("#### 7")
+    returns.append(reward)
+    stats = info["episode"]
+    assert terminated and returns == [0.0, -0.05, 1.0] and stats["step_reward"] == pytest.approx(-0.05)
+    assert stats["total_reward"] == pytest.approx(sum(returns)) == pytest.approx(env.episode_stats()["total_reward"])
+    assert stats["final_reward"] == info["final_reward"] and stats["turns"] == 3
+    if env.conversation is not None:
+        assert env.conversation.total_reward == pytest.approx(stats["total_reward"])
+        (sample,) = env.conversation.samples()
+        assert sum(sample.rewards) == pytest.approx(stats["total_reward"]) == pytest.approx(sample.episode_reward)
+    assert sft_trace(env)["reward"] == pytest.approx(stats["total_reward"])
 
 
 def test_render_modes(qwen25):
@@ -148,7 +185,7 @@ def test_control_characters_and_invalid_utf8_from_the_model(tokenizer):
         broken = fmt.encode("é")[:1] + fmt.encode("\x00\x07 <tool_call>")  # half a UTF-8 character, controls
         obs, *_ = env.step({"token_ids": broken, "finish_reason": 1})
         assert env.conversation.turns[0].ids == broken
-    assert env.totals["parse_errors"] == 1
+    assert env.episode_stats()["parse_errors"] == 1
 
 
 class FlakyTool(BaseTool):

@@ -79,12 +79,60 @@ def test_calls_inside_think_blocks_are_ignored():
     assert [c.name for c in turn.calls] == ["lookup", "add"]
 
 
-def test_unclosed_tool_call_at_the_end_is_truncated():
+@pytest.mark.parametrize("finish_reason, why", [("length", "token limit"), ("abort", "aborted")])
+def test_unclosed_tool_call_at_the_end_of_a_cut_turn_is_truncated(finish_reason, why):
     text = "Checking. " + hermes_call("lookup", {"query": "a"}) + '\n<tool_call>\n{"name": "add", "arguments": {"a": 1'
-    turn = HermesParser().parse(text)
+    turn = HermesParser().parse(text, finish_reason)
     assert [c.name for c in turn.calls] == ["lookup"]
-    assert [e.kind for e in turn.errors] == ["truncated"]
+    assert [e.kind for e in turn.errors] == ["truncated"] and why in turn.errors[0].message
     assert turn.errors[0].raw.startswith("<tool_call>") and turn.content == "Checking."
+
+
+# vLLM tests/tool_parsers/test_hermes_tool_parser.py (test_hermes_parser_non_streaming_tool_call_until_eos and
+# _tool_call_invalid_json): a call the model ended without </tool_call> (EOS or a stop string) is read when its JSON
+# is whole; it is not "truncated" unless the engine cut the turn.
+def test_unclosed_tool_call_at_stop_is_read_when_its_json_is_whole():
+    text = '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}'
+    turn = HermesParser().parse(text, "stop")
+    assert [(c.name, c.arguments, c.raw) for c in turn.calls] == [("final_answer", {"trigger": True}, text)]
+    assert turn.errors == [] and turn.metrics["unclosed_at_stop"] == 1
+    assert HermesParser().parse(text) == turn  # "stop" is the default
+    assert [e.kind for e in HermesParser().parse(text, "length").errors] == ["truncated"]
+    # the JSON itself is cut: vLLM calls nothing; mt_env tells the model the call is not valid JSON
+    turn = HermesParser().parse(text[:-1], "stop")
+    assert turn.calls == [] and [e.kind for e in turn.errors] == ["malformed_json"]
+    # prose after the unclosed JSON is not part of a call
+    assert [e.kind for e in HermesParser().parse(text + " done", "stop").errors] == ["malformed_json"]
+
+
+# vLLM tests/tool_parsers/test_hermes_tool_parser.py (test_hermes_parser_non_streaming_serialized_arguments and
+# _bare_string_arguments): arguments the model serialized itself are decoded once; a plain string is not an object.
+def test_arguments_given_as_a_json_string_are_decoded_once():
+    text = '<tool_call>\n{"name": "get_db_config", "arguments": "{\\"param\\": \\"max_connections\\"}"}\n</tool_call>'
+    turn = HermesParser().parse(text)
+    assert [(c.name, c.arguments) for c in turn.calls] == [("get_db_config", {"param": "max_connections"})]
+    assert turn.metrics == {"string_arguments": 1}
+    llama = Llama3JsonParser(tools=SCHEMAS).parse('{"name": "add", "parameters": "{\\"a\\": 1, \\"b\\": 2}"}')
+    assert [c.arguments for c in llama.calls] == [{"a": 1, "b": 2}] and llama.metrics["string_arguments"] == 1
+    bare = HermesParser().parse('<tool_call>\n{"name": "do_thing", "arguments": "hello"}\n</tool_call>')
+    assert [(e.kind, e.name) for e in bare.errors] == [("invalid_arguments", "do_thing")] and not bare.metrics
+    twice = HermesParser().parse(hermes_call("lookup", json.dumps(json.dumps({"query": "q"}))))
+    assert [e.kind for e in twice.errors] == ["invalid_arguments"]  # decoded once only: still a string
+
+
+# SGLang test/registered/unit/function_call/test_malformed_tool_call_payloads.py: a JSON array inside one
+# <tool_call> calls its valid elements; mt_env also reports each invalid element (SGLang drops them silently).
+def test_a_json_array_of_calls_in_one_block():
+    valid = {"name": "lookup", "arguments": {"query": "Paris"}}
+    turn = get_parser("qwen2.5", tools=SCHEMAS).parse(
+        f"Two at once: <tool_call>{json.dumps([valid, 'junk', {'name': 'add', 'arguments': {'a': 1, 'b': 2}}])}"
+        "</tool_call>")
+    assert [(c.name, c.arguments) for c in turn.calls] == [("lookup", {"query": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert [e.kind for e in turn.errors] == ["malformed_json"] and turn.content == "Two at once:"
+    assert turn.metrics["array_calls"] == 3
+    for payload, errors in [("[1, 2]", 2), ('["x"]', 1), ("[null]", 1), ("[[]]", 1), ("[]", 1)]:
+        turn = HermesParser().parse(f"<tool_call>{payload}</tool_call>")
+        assert turn.calls == [] and [e.kind for e in turn.errors] == ["malformed_json"] * errors, payload
 
 
 def test_tool_call_reopened_before_closing_is_malformed_and_the_next_one_still_parses():
@@ -99,7 +147,7 @@ def test_tool_call_reopened_before_closing_is_malformed_and_the_next_one_still_p
     "lookup(query='a')",  # not JSON at all
     '{"arguments": {"query": "a"}}',  # no name
     '{"name": 3, "arguments": {}}',  # name not a string
-    '["lookup", {"query": "a"}]',  # not an object
+    '"lookup"',  # not an object
     '{"name": "lookup", "arguments": {"query": NaN}}',  # not JSON (Python's json would accept it)
     "",
 ])
@@ -198,6 +246,7 @@ def test_llama_text_that_is_not_a_call_is_content(text):
 @pytest.mark.parametrize("text, kinds", [
     ('{"name": "add", "parameters": {"a": 1, "b": ', ["truncated"]),
     ('{"name": "add", "parameters": {"a": 1, "b": 2', ["truncated"]),
+    ('{"name": "add", "parameters": {"a": 1, "b": 2, "c": "x', ["truncated"]),
     ('{"name": "add", "parameters": {"a": 1 "b": 2}}', ["malformed_json"]),
     ('<|python_tag|>add(a=1, b=2)', ["malformed_json"]),
     ('{"name": "add", "parameters": {"a": 1, "b": 2}} and then I add', ["malformed_json"]),
@@ -206,8 +255,52 @@ def test_llama_text_that_is_not_a_call_is_content(text):
     ('{"name": "add", "parameters": {"a": 1.5, "b": 2}}', ["invalid_arguments"]),
 ])
 def test_llama_bad_calls(text, kinds):
-    turn = Llama3JsonParser(tools=SCHEMAS).parse(text)
+    turn = Llama3JsonParser(tools=SCHEMAS).parse(text, "length")
     assert [e.kind for e in turn.errors] == kinds
+    # a turn the model ended itself is not cut off: incomplete JSON is malformed
+    stopped = Llama3JsonParser(tools=SCHEMAS).parse(text, "stop")
+    assert [e.kind for e in stopped.errors] == [k.replace("truncated", "malformed_json") for k in kinds]
+
+
+# SGLang test/registered/unit/function_call/test_llama32_detector.py (test_normal_text_before_python_tag) and
+# test_function_call_parser.py (TestLlama32Detector.test_with_python_tag_prefix): text before <|python_tag|> is the
+# content and the calls after the tag are parsed.
+@pytest.mark.parametrize("intro", ["Let me check. ", "Some intro.\n", "I'll use {lookup}: "])
+def test_llama_python_tag_after_text(intro):
+    text = intro + '<|python_tag|>{"name": "lookup", "arguments": {"query": "Tokyo"}}'
+    turn = Llama3JsonParser(tools=SCHEMAS).parse(text)
+    assert [(c.name, c.arguments) for c in turn.calls] == [("lookup", {"query": "Tokyo"})]
+    assert turn.content == intro.strip() and turn.errors == []
+
+
+# SGLang test/registered/unit/function_call/test_function_call_parser.py (TestLlama32Detector
+# .test_multiple_json_with_separator_customized: one <|python_tag|> per call) and vLLM
+# tests/tool_parsers/test_llama3_json_tool_parser.py (test_extract_tool_calls_streaming_parallel_separators and
+# _multiple_json_with_whitespace: "; ", ";", ";\n", " ; " or a newline between calls).
+@pytest.mark.parametrize("separator", ["; ", ";", ";\n", "\n", " ; ", "<|python_tag|>", "\n<|python_tag|>",
+                                       "; <|python_tag|>"])
+def test_llama_call_separators(separator):
+    first, second = '{"name": "lookup", "parameters": {"query": "test1"}}', '{"name": "add", "parameters": {}}'
+    for text in (first + separator + second, "<|python_tag|>" + first + separator + second):
+        turn = Llama3JsonParser().parse(text)
+        assert [(c.name, c.arguments) for c in turn.calls] == [("lookup", {"query": "test1"}), ("add", {})], text
+        assert turn.errors == [] and turn.content == ""
+
+
+# Where mt_env is deliberately stricter than the peers (docs/tools.md lists these):
+# SGLang test_function_call_parser.py TestLlama32Detector.test_json_with_trailing_text and vLLM
+# test_llama3_json_tool_parser.py test_extract_tool_calls_brace_in_trailing_text keep the call and the prose; mt_env
+# runs the call and tells the model the prose is not allowed there. SGLang's test_invalid_then_valid_json recovers a
+# call after a malformed one; mt_env stops at the malformed one. vLLM's test_extract_tool_calls_simple finds a bare
+# call in the middle of prose; without <|python_tag|> mt_env reads such a turn as plain content.
+def test_llama_where_mt_env_is_stricter_than_the_peers():
+    turn = Llama3JsonParser().parse('{"name": "lookup", "parameters": {}} Some follow-up text')
+    assert [c.name for c in turn.calls] == ["lookup"] and [e.kind for e in turn.errors] == ["malformed_json"]
+    assert "unexpected text after a tool call" in turn.errors[0].message
+    turn = Llama3JsonParser().parse('{"name": "lookup", "parameters": {{"name": "lookup", "parameters": {}}')
+    assert turn.calls == [] and [e.kind for e in turn.errors] == ["malformed_json"]
+    text = 'Here is the result: {"name": "lookup", "parameters": {}} Would you like to know more?'
+    assert Llama3JsonParser().parse(text) == ParsedTurn(text, [], [])
 
 
 def test_llama_one_megabyte_is_refused_quickly():
@@ -291,3 +384,26 @@ def test_hermes_format_is_what_the_qwen25_template_renders(qwen25):
                                   for c in calls]}
         rendered = qwen25.apply_chat_template([{"role": "user", "content": "hi"}, message], tokenize=False)
         assert "<|im_start|>assistant\n" + HermesParser.format_turn(calls, content) + "<|im_end|>" in rendered
+
+
+# ------------------------------------------------------------------------------------------------ in an env
+def test_the_env_reads_each_turn_by_its_finish_reason():
+    import gymnasium as gym
+
+    import mt_env  # noqa: F401  (registers the envs)
+    from mt_env.env import ModelTurn
+
+    unclosed = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}'
+    env = gym.make("Calculator-v0")
+    env.reset(seed=0)
+    obs, _, terminated, truncated, info = env.step(ModelTurn(text=unclosed, finish_reason="stop"))
+    assert obs["text"] == "tool: 42" and not (terminated or truncated)
+    env.reset(seed=0)
+    obs, *_, info = env.step(ModelTurn(text=unclosed, finish_reason="length"))
+    assert [e["kind"] for e in info["parse_errors"]] == ["truncated"] and info["tool_calls"] == []
+    # a Llama call after some text is a call, not an answer that ends the episode
+    env = gym.make("Calculator-v0", tool_format="llama3_json")
+    env.reset(seed=0)
+    obs, _, terminated, _, info = env.step(
+        'Let me compute. <|python_tag|>{"name": "calculator", "parameters": {"expression": "6 * 7"}}')
+    assert obs["text"] == "tool: 42" and not terminated and info["tool_calls"][0]["function"]["name"] == "calculator"

@@ -11,7 +11,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agents.hf_policy import HFPolicy
-from agents.policy import Generation, GenerationError, PolicyError, SamplingParams
+from agents.policy import GenerationError, PolicyError, SamplingParams
+from mt_env.turn import ModelTurn
 
 VOCAB = 512
 DEVICE = os.environ.get("MT_ENV_TEST_DEVICE", "cpu")  # e.g. "cuda" to run these tests on a GPU
@@ -84,9 +85,9 @@ def test_sampling_params_normalize_stop_ids():
 
 def test_generation_checks_its_fields():
     with pytest.raises(ValueError, match="logprobs"):
-        Generation([1, 2], [0.0], "stop")
+        ModelTurn([1, 2], [0.0], "stop")
     with pytest.raises(ValueError, match="finish_reason"):
-        Generation([1], [0.0], "eos")
+        ModelTurn([1], [0.0], "eos")
 
 
 # ------------------------------------------------------------------------------------------------- outputs

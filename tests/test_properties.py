@@ -14,10 +14,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mt_env.batch import pack_samples, pad_samples, sample_fields, unpack, unpad
+from mt_env.batch import collate, pack
 from mt_env.chat_format import ChatFormat
-from mt_env.conversation import Conversation, Seg, TokenBudget
+from mt_env.conformance import check_template
+from mt_env.conversation import Conversation, TokenBudget
 from mt_env.errors import ConversationError, DriftError
+from mt_env.sample import Seg
 from mt_env.tokenizer import offline_tokenizer
 
 from .conftest import LOOKUP_TOOL, shared_tokenizer
@@ -45,7 +47,7 @@ def fmt(request) -> ChatFormat:
 @pytest.mark.parametrize("name,conforms", [("qwen2.5", True), ("qwen3", False), ("qwen3-nothink", False),
                                            ("llama3.1", False)])
 def test_checker_verdicts(name, conforms):
-    assert FORMATS[name]().conformance.conforms is conforms
+    assert check_template(FORMATS[name]()).conforms is conforms
 
 
 @given(plan=conversation_plan())
@@ -91,7 +93,7 @@ def test_incremental_equals_full_rendering_or_raises(fmt, plan):
     else:
         with pytest.raises(DriftError):
             conv.check_drift()
-    if fmt.conformance.conforms:
+    if check_template(fmt).conforms:
         assert matches, "a conforming template drifted"
 
 
@@ -99,7 +101,7 @@ def test_incremental_equals_full_rendering_or_raises(fmt, plan):
 def test_conforming_template_canonical_ids_equal_full_tokenization(fmt, plan):
     """With canonical sampling and no whitespace at a turn start (trap 1: it merges with the generation prompt's
     newline), the incremental ids are exactly the tokenization of the whole rendered conversation."""
-    if not fmt.conformance.conforms:
+    if not check_template(fmt).conforms:
         pytest.skip("only meaningful for prefix-safe templates")
     plan.turns = [("A" + text.lstrip(), splits, closed) for text, splits, closed in plan.turns]
     conv = play(fmt, plan, mode="incremental", canonical=True)
@@ -120,23 +122,47 @@ def test_per_turn_samples_are_what_the_model_saw(fmt, plan):
         assert sum(sample.loss_mask()) == len(turn.ids)
 
 
+def sample_fields(s) -> dict[str, list]:
+    """A sample's per-token lists, as a batch row must give them back (floats rounded to float32 like tensors)."""
+
+    def f32(x):
+        return torch.tensor(x, dtype=torch.float32).tolist()
+
+    return dict(ids=list(s.ids), position_ids=list(range(len(s.ids))), loss_mask=f32(s.loss_mask()),
+                rewards=f32(s.rewards), rollout_logprobs=f32(s.logprobs), turn_ids=s.turns())
+
+
+def batch_rows(batch) -> list[dict[str, list]]:
+    """The same lists read back from a batch: each row's real tokens (attention mask 1)."""
+    names = dict(ids="input_ids", position_ids="position_ids", loss_mask="loss_mask", rewards="rewards",
+                 rollout_logprobs="rollout_logprobs", turn_ids="turn_ids")
+    real = batch.attention_mask.bool()
+    return [{key: getattr(batch, name)[b][real[b]].tolist() for key, name in names.items()} for b in range(len(batch))]
+
+
 @given(plans=st.lists(conversation_plan(max_turns=3), min_size=1, max_size=4))
-def test_padding_and_packing_round_trip(fmt, plans):
+def test_batch_and_packing_round_trip(fmt, plans):
     samples = [s for p in plans for s in play(fmt, p).samples()]
-    expected = [sample_fields(s) for s in samples]
-    padded = pad_samples(samples, pad_token_id=fmt.tokenizer.pad_token_id)
-    assert unpad(padded) == expected
-    assert unpack(pack_samples(samples)) == expected
-    am, pos = padded["attention_mask"], padded["position_ids"]
-    assert torch.equal(am.sum(1), padded["prompt_lengths"] + padded["response_lengths"])
-    assert bool((pos >= 0).all()) and int(pos.max()) < am.shape[1]
-    # positions are 0..n-1 over the real tokens of every row
-    for b in range(am.shape[0]):
-        assert pos[b][am[b].bool()].tolist() == list(range(int(am[b].sum())))
-    # every response starts at the same column, right after the left-padded prompt
-    P = padded["prompts"].shape[1]
-    assert bool((am[:, P - 1] == 1).all())
-    assert torch.equal(padded["input_ids"], torch.cat([padded["prompts"], padded["responses"]], 1))
+    batch = collate(samples, pad_token_id=fmt.tokenizer.pad_token_id)
+    assert batch_rows(batch) == [sample_fields(s) for s in samples]
+    am, pos = batch.attention_mask, batch.position_ids
+    assert am.sum(1).tolist() == [len(s.ids) for s in samples] and bool(am[:, 0].all())  # real tokens first
+    assert bool((batch.input_ids[am == 0] == fmt.tokenizer.pad_token_id).all())
+    assert not batch.loss_mask[am == 0].any() and bool((batch.turn_ids[am == 0] == -1).all())
+    # positions are defined everywhere: 0..n-1 over the real tokens, the last one repeated on padding
+    assert all(pos[b].tolist() == list(range(len(s))) + [len(s) - 1] * (am.shape[1] - len(s))
+               for b, s in enumerate(samples))
+    # one row selection gives the rows of every field
+    rows = torch.arange(len(samples) - 1, -1, -1)
+    assert batch_rows(batch[rows]) == batch_rows(batch)[::-1] and torch.equal(batch[rows].group, batch.group[rows])
+    # packed: the real tokens end to end, positions restarting per sequence, and back again
+    packed = pack(batch)
+    assert packed.input_ids.shape == (1, sum(len(s.ids) for s in samples))
+    assert packed.input_ids[0].tolist() == [t for s in samples for t in s.ids]
+    assert packed.position_ids[0].tolist() == [p for s in samples for p in range(len(s.ids))]
+    assert packed.seq_ids[0].tolist() == [b for b, s in enumerate(samples) for _ in s.ids]
+    assert torch.equal(packed.unpack(packed.loss_mask), batch.loss_mask)
+    assert torch.equal(packed.unpack(packed.input_ids), batch.input_ids * am)
 
 
 @given(
@@ -168,13 +194,15 @@ def test_budgets_hold(fmt, plan, max_response, slack, max_obs, keep):
 @given(plan=conversation_plan(max_turns=1))
 def test_single_turn_loss_mask_equals_classic_eos_mask(fmt, plan):
     """For one turn, the loss mask is the classic response mask: 1 up to and including the first EOS, 0 after."""
-    conv = play(fmt, plan)
-    batch = pad_samples(conv.samples(), pad_token_id=fmt.tokenizer.pad_token_id)
-    responses = batch["responses"]
-    is_eos = (responses == fmt.end_of_turn_id).long()
-    before_or_at_first_eos = (is_eos.cumsum(1) - is_eos) == 0
-    real = batch["attention_mask"][:, batch["prompts"].shape[1]:].bool()
-    assert torch.equal(batch["loss_mask"].bool(), before_or_at_first_eos & real)
+    (sample,) = play(fmt, plan).samples()
+    batch = collate([sample], pad_token_id=fmt.tokenizer.pad_token_id)
+    n = sample.prompt_len
+    response = batch.input_ids[0, n:]
+    is_eos = (response == fmt.end_of_turn_id).long()
+    before_or_at_first_eos = (is_eos.cumsum(0) - is_eos) == 0
+    real = batch.attention_mask[0, n:].bool()
+    assert torch.equal(batch.loss_mask[0, n:].bool(), before_or_at_first_eos & real)
+    assert not batch.loss_mask[0, :n].any()
 
 
 @pytest.fixture(scope="session")

@@ -13,13 +13,16 @@ import torch
 
 import mt_env  # noqa: F401  (registers the envs)
 from agents.hf_policy import HFPolicy
-from agents.policy import Generation, Policy, PolicyError, SamplingParams
-from agents.rollout import EpisodeId, EpisodeState, RolloutDriver
+from agents.policy import Policy, PolicyError, SamplingParams
+from agents.rollout import EpisodeState, RolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 from envs.gsm8k_tool import load_rows
-from mt_env.conversation import Seg
+from mt_env.batch import collate
+from mt_env.chat_format import ChatFormat
 from mt_env.parsers import HermesParser, ToolCall
+from mt_env.sample import Seg
+from mt_env.turn import ModelTurn
 from trainers.modeling import build_causal_lm
 
 from .conftest import SHARED_GSM8K
@@ -151,19 +154,58 @@ def test_hf_rollout_ends_every_episode_and_builds_a_grpo_batch(env_id, qwen25, m
     # The driver rebuilds each next context from observations; it must be exactly the env's conversation.
     assert Counter(policy.log) == Counter(t for r in result.episodes for t in sampled_turns(r))
 
-    batch = result.batch(qwen25.pad_token_id)
-    assert batch["input_ids"].shape[0] == len(result.samples) == len(tasks) * n
-    P = batch["prompts"].shape[1]
-    sampled = batch["segment_kinds"][:, P:] == int(Seg.SAMPLED)
-    assert ((batch["loss_mask"] == 1) == sampled).all()
-    assert batch["loss_mask"].sum() == result.metrics["rollout/generated_tokens"] == len(tasks) * n * turns * 8
+    batch = collate(result.samples, qwen25.pad_token_id)
+    assert len(batch) == len(result.samples) == len(tasks) * n
+    for b, sample in enumerate(result.samples):  # the loss mask is 1 exactly on the sampled tokens
+        sampled = torch.tensor([k == Seg.SAMPLED for k in sample.kinds()])
+        assert torch.equal(batch.loss_mask[b, :len(sample.ids)] == 1, sampled)
+    assert batch.loss_mask.sum() == result.metrics["rollout/generated_tokens"] == len(tasks) * n * turns * 8
 
-    groups = Counter(e.group for e in batch["episodes"])
-    assert groups == {g: n for g in range(len(tasks))}
-    assert sorted(batch["episodes"]) == [EpisodeId(g, i) for g in range(len(tasks)) for i in range(n)]
+    # the driver tags each sample with its task (GRPO group) and episode
+    assert Counter(batch.group.tolist()) == {g: n for g in range(len(tasks))}
+    assert sorted(batch.episode.tolist()) == list(range(len(tasks) * n))
     for g in range(len(tasks)):  # per-episode seeds: the members of a group sample different answers
-        responses = {tuple(s.ids[s.prompt_len:]) for s in result.samples if s.episode.group == g}
+        responses = {tuple(s.ids[s.prompt_len:]) for s in result.samples if s.group == g}
         assert len(responses) == n
+
+
+def test_per_turn_episodes_generate_from_each_turns_own_context(qwen3):
+    """Qwen3 re-renders history, so each turn is its own sample: the driver sends exactly each sample's prompt (the
+    conversation's `context_ids`), and tags the samples of one episode with one group and episode."""
+    env = CalculatorEnv(tokenizer=qwen3, mode="per_turn")
+    env.reset(seed=0)
+    policy = Recording(ScriptedPolicy(expert(env.conversation.fmt)))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen3, mode="per_turn"), policy)
+    result = driver.run([CalculatorEnv.task_for([12, 34, 5]), CalculatorEnv.task_for([6, 7])], n=2)
+    assert all(r.state == EpisodeState.COMPLETED and r.success for r in result.episodes)
+    assert [len(r.samples) for r in result.episodes] == [r.turns for r in result.episodes] == [3, 3, 2, 2]
+    sent = Counter((tuple(s.ids[:s.prompt_len]), tuple(s.ids[s.prompt_len:])) for s in result.samples)
+    assert sent == Counter(policy.log)
+    for k, record in enumerate(result.episodes):
+        assert {(s.group, s.episode) for s in record.samples} == {(record.id.group, k)}
+
+
+class AsksAgain(CalculatorEnv):
+    def interaction(self, task, final_text):
+        return "Are you sure?"
+
+
+def test_a_drifting_episode_fails_with_its_tokens_kept_untrained(qwen3):
+    """Forcing incremental mode on Qwen3 drifts once a user turn follows reasoning: the episode fails at its drift
+    check and keeps its tokens with loss mask 0 — read from the conversation, nothing written into it."""
+    made = []
+
+    def make_env():
+        made.append(AsksAgain(tokenizer=qwen3, mode="incremental", max_interactions=1))
+        return made[-1]
+
+    fmt = ChatFormat(qwen3)
+    driver = RolloutDriver(make_env, ScriptedPolicy(lambda prompt: turn(fmt, "<think>\nhmm\n</think>\n\nIt is 1.")))
+    (record,) = driver.run([CalculatorEnv.task_for([12, 34])]).episodes
+    assert record.state == EpisodeState.FAILED and record.error.startswith("DriftError") and record.turns == 2
+    (sample,) = record.samples
+    assert sum(sample.loss_mask()) == 0 and sample.ids == made[0].conversation.context_ids
+    assert made[0].conversation.strict  # the env's conversation is as the env made it
 
 
 # --------------------------------------------------------------------------------------------- concurrency
@@ -288,11 +330,10 @@ def test_a_failing_episode_fails_alone_and_stays_in_the_batch(qwen25, fmt, break
     assert result.metrics["rollout/failed"] == 2 and result.metrics["rollout/skipped"] == 0
     assert result.metrics["rollout/success_rate"] == 1.0  # over the episodes that ran to their end
 
-    batch = result.batch(qwen25.pad_token_id)
-    rows = [i for i, e in enumerate(batch["episodes"]) if e.group == 1]
-    assert sorted(batch["episodes"][i] for i in rows) == [EpisodeId(1, 0), EpisodeId(1, 1)]  # not dropped
-    assert batch["loss_mask"][rows].sum() == 0
-    assert batch["loss_mask"][[i for i in range(len(batch["episodes"])) if i not in rows]].sum() > 0
+    batch = collate(result.samples, qwen25.pad_token_id)
+    failed = batch.group == 1
+    assert batch.episode[failed].unique().numel() == 2  # both failed episodes stay in the batch
+    assert batch.loss_mask[failed].sum() == 0 and batch.loss_mask[~failed].sum() > 0
 
 
 def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):
@@ -306,14 +347,15 @@ def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):
     assert re.match(r"skipped: the prompt is \d+ tokens, over max_prompt_tokens=300", skipped.error)
     assert skipped.samples == [] and skipped.messages == [] and skipped.turns == 0
     assert result.metrics["rollout/skipped"] == 1 and result.metrics["rollout/failed"] == 0
-    assert result.batch(qwen25.pad_token_id)["input_ids"].shape[0] == 2
+    assert len(collate(result.samples, qwen25.pad_token_id)) == 2
 
     driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, budget={"max_prompt_tokens": 10}),
                            ScriptedPolicy(expert(fmt)))
     result = driver.run([short], n=3)
     assert result.metrics["rollout/skipped"] == 3 and result.metrics["rollout/episodes"] == 3
-    with pytest.raises(ValueError, match="every episode was skipped"):
-        result.batch(qwen25.pad_token_id)
+    assert result.samples == []
+    with pytest.raises(ValueError, match="zero samples"):
+        collate(result.samples, qwen25.pad_token_id)
 
 
 # --------------------------------------------------------------------------------------------- env pool
@@ -380,14 +422,14 @@ def test_closing_the_hf_policy_mid_rollout_fails_the_rollout(qwen25, model):
     ("length", EpisodeState.TRUNCATED, "turn cut by its token limit"),
 ])
 def test_an_empty_turn_ends_the_episode_cleanly(qwen25, finish, state, reason):
-    policy = ScriptedPolicy(lambda prompt: Generation([], [], finish))
+    policy = ScriptedPolicy(lambda prompt: ModelTurn([], [], finish))
     driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), policy)
     result = driver.run([CalculatorEnv.task_for([12, 34])], n=2)
     for record in result.episodes:
         assert (record.state, record.end_reason, record.turns, record.generated_tokens) == (state, reason, 1, 0)
         assert record.final_reward == 0.0 and not record.success
-    batch = result.batch(qwen25.pad_token_id)
-    assert batch["response_lengths"].tolist() == [0, 0] and batch["loss_mask"].numel() == 0
+    assert [len(s.ids) - s.prompt_len for s in result.samples] == [0, 0]
+    assert collate(result.samples, qwen25.pad_token_id).loss_mask.sum() == 0
 
 
 @pytest.mark.parametrize("length_cut", ["truncate", "interact"])
@@ -406,6 +448,6 @@ def test_a_tool_call_cut_by_the_token_limit_gets_an_error_and_another_turn(qwen2
     assert (record.parse_errors, record.tool_errors, record.tool_calls, record.turns) == (1, 1, 2, 3)
     second_prompt = fmt.decode(policy.log[1][0])
     assert second_prompt.endswith(cut_call + "<|im_end|>\n<|im_start|>user\n<tool_response>\nError: the tool call "
-                                  "was cut off before <\u200b/tool_call> (the turn probably hit its token limit)\n"
+                                  "was cut off before <\u200b/tool_call> (the turn hit its token limit)\n"
                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     assert record.success  # the expert found no result in the error, called again and answered

@@ -99,6 +99,23 @@ def test_a_missing_alias_target_is_a_clear_error(monkeypatch):
         load_tools({"tools": [entry("a"), entry("b", "verl.tools.gsm8k_tool.Gsm8kTool")]})
 
 
+# verl/tools/utils/tool_registry.py (initialize_tools_from_config): an entry without tool_schema passes
+# tool_schema=None to its class, which then uses its own schema.
+def test_an_entry_without_tool_schema_uses_the_class_schema(tmp_path):
+    from envs.gsm8k_tool import TOOL_SCHEMA, Gsm8kTool
+    from mt_env.calculator import CALCULATOR_SCHEMA
+
+    path = tmp_path / "tools.yaml"
+    path.write_text("tools:\n"
+                    "  - class_name: mt_env.calculator.CalculatorTool\n    config: {type: native, timeout: 5}\n"
+                    "  - class_name: verl.tools.gsm8k_tool.Gsm8kTool\n    config: {type: native}\n"
+                    "    tool_schema: null\n")
+    calculator, gsm8k = load_tools(path)
+    assert isinstance(calculator, CalculatorTool) and calculator.tool_schema == CALCULATOR_SCHEMA
+    assert calculator.settings.timeout == 5
+    assert isinstance(gsm8k, Gsm8kTool) and gsm8k.tool_schema == TOOL_SCHEMA
+
+
 def test_the_gsm8k_alias_points_into_envs():
     assert tool_config.TOOL_CLASS_ALIASES["verl.tools.gsm8k_tool.Gsm8kTool"] == "envs.gsm8k_tool.Gsm8kTool"
 
@@ -111,7 +128,7 @@ def test_the_gsm8k_alias_points_into_envs():
                                            r"a subclass of mt_env.tools.BaseTool"),
     (entry("b", "NoteTool"), r"tools\[1\] \(NoteTool\): class_name 'NoteTool' must be a dotted path"),
     ({"class_name": "tests.test_tool_config.NoteTool"}, r"tools\[1\] \(tests.test_tool_config.NoteTool\): "
-                                                         "tool_schema is missing"),
+                                                         "tool_schema is missing, and NoteTool has no built-in schema"),
     ({**entry("b"), "tool_scheme": {}}, r"tools\[1\] .*unknown key\(s\) \['tool_scheme'\]"),
     ({**entry("b"), "class_name": None}, r"tools\[1\]: class_name must be a dotted path"),
     ({**entry("b"), "config": [1]}, r"tools\[1\] .*config must be a mapping"),

@@ -178,7 +178,7 @@ def test_invalid_arguments_are_validated_against_the_schema(arguments, expected)
 
 def test_parse_errors_become_observations():
     parsed = get_parser("hermes", tools=[ECHO_SCHEMA]).parse(
-        '<tool_call>{"name": "echo", "arguments": {"text": 1}}</tool_call><tool_call>{"name": "ech'
+        '<tool_call>{"name": "echo", "arguments": {"text": 1}}</tool_call><tool_call>{"name": "ech', "length"
     )
     results, box = run_episode([EchoTool()], parsed.calls + parsed.errors)
     assert [r.error_kind for r in results] == ["invalid_arguments", "parse"]

@@ -1,8 +1,8 @@
 """The RL arithmetic of `ppo.py`, as pure functions on tensors: advantages, losses, KL estimators, aggregation.
 
-Conventions: tensors are ``[B, T]`` over the positions that carry an action (a sampled token); ``mask`` is the loss
-mask (1.0 on sampled tokens, 0.0 on prompt, observation, template and padding tokens). Every reduction is masked:
-no statistic, loss or gradient ever sees a tool or template token.
+Conventions: tensors are ``[B, T]``, aligned with the batch's ``input_ids``; ``loss_mask`` is the batch's loss mask,
+under the same name (1.0 on sampled tokens, 0.0 on prompt, observation, template and padding tokens). Every reduction
+is masked: no statistic, loss or gradient ever sees a tool or template token.
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> tor
 def masked_gae(
     rewards: torch.Tensor,
     values: torch.Tensor,
-    mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     gamma: float = 1.0,
     lam: float = 1.0,
     turn_ids: torch.Tensor | None = None,
     turn_gamma: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE over sampled tokens only: positions with ``mask == 0`` (observations, templates, padding) are skipped, as
-    if they were not in the sequence — the next sampled token's value bootstraps across them.
+    """GAE over sampled tokens only: positions with ``loss_mask == 0`` (observations, templates, padding) are skipped,
+    as if they were not in the sequence — the next sampled token's value bootstraps across them.
 
     Rewards must sit on sampled tokens (mt_env puts each turn's reward on its last sampled token). With
     ``turn_gamma`` set, the discount between two consecutive sampled tokens is ``gamma`` inside a turn and
@@ -60,7 +60,7 @@ def masked_gae(
     next_gae = torch.zeros_like(next_value)
     next_turn = torch.full((B,), -1, dtype=torch.long, device=rewards.device)
     for t in reversed(range(T)):
-        m = mask[:, t] > 0
+        m = loss_mask[:, t] > 0
         if turn_ids is not None and turn_gamma is not None:
             crossing = (next_turn >= 0) & (turn_ids[:, t] != next_turn)
             g = torch.where(crossing, torch.full_like(next_value, turn_gamma), torch.full_like(next_value, gamma))
@@ -73,7 +73,7 @@ def masked_gae(
         next_gae = torch.where(m, gae, next_gae)
         if turn_ids is not None:
             next_turn = torch.where(m, turn_ids[:, t], next_turn)
-    returns = torch.where(mask > 0, advantages + values, torch.zeros_like(values))
+    returns = torch.where(loss_mask > 0, advantages + values, torch.zeros_like(values))
     return advantages, returns
 
 
@@ -106,7 +106,7 @@ def grpo_advantages(
 
 
 # --------------------------------------------------------------------------------------------- losses
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: float | None = None,
+def aggregate(loss: torch.Tensor, loss_mask: torch.Tensor, mode: str, norm_tokens: float | None = None,
               norm_seqs: float | None = None, constant: float | None = None) -> torch.Tensor:
     """Reduce a ``[B, T]`` loss to a scalar over masked-in tokens.
 
@@ -119,17 +119,18 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: str, norm_tokens: fl
     tokens; `norm_seqs`: its number of sequences) so micro-batches add up to the mini-batch loss exactly.
     """
     if mode == "token-mean":
-        return masked_sum(loss, mask) / max(float(norm_tokens if norm_tokens is not None else mask.sum()), 1.0)
-    seq_has = (mask.sum(-1) > 0).float()
+        tokens = norm_tokens if norm_tokens is not None else loss_mask.sum()
+        return masked_sum(loss, loss_mask) / max(float(tokens), 1.0)
+    seq_has = (loss_mask.sum(-1) > 0).float()
     n_seqs = max(float(norm_seqs if norm_seqs is not None else seq_has.sum()), 1.0)
     if mode == "seq-mean-token-sum":
-        return masked_sum(loss, mask, -1).sum() / n_seqs
+        return masked_sum(loss, loss_mask, -1).sum() / n_seqs
     if mode == "seq-mean-token-mean":
-        return (masked_sum(loss, mask, -1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
+        return (masked_sum(loss, loss_mask, -1) / loss_mask.sum(-1).clamp(min=1)).sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":
         if not constant:
             raise ValueError("seq-mean-token-sum-norm needs a constant (e.g. the max response length)")
-        return masked_sum(loss, mask) / (constant * n_seqs)
+        return masked_sum(loss, loss_mask) / (constant * n_seqs)
     raise ValueError(f"unknown loss aggregation {mode!r}; choose from {LOSS_AGG_MODES}")
 
 
@@ -137,7 +138,7 @@ def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
-    mask: torch.Tensor,
+    loss_mask: torch.Tensor,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     dual_clip: float | None = 3.0,
@@ -151,7 +152,7 @@ def policy_loss(
     `is_weights` (truncated importance-sampling weights for rollout/trainer mismatch) multiply the per-token loss.
     Inputs at masked-out positions are neutralised first, so a NaN there cannot reach the gradient.
     """
-    on = mask > 0
+    on = loss_mask > 0
     advantages = torch.where(on, advantages, torch.zeros_like(advantages))
     old_logprobs = torch.where(on, old_logprobs, logprobs.detach())
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)
@@ -169,17 +170,17 @@ def policy_loss(
         loss = loss * is_weights
     with torch.no_grad():
         stats = {
-            "actor/clip_frac": masked_mean(clipped, mask).item(),
-            "actor/approx_kl": masked_mean(0.5 * log_ratio**2, mask).item(),
-            "actor/ratio_mean": masked_mean(ratio, mask).item(),
+            "actor/clip_frac": masked_mean(clipped, loss_mask).item(),
+            "actor/approx_kl": masked_mean(0.5 * log_ratio**2, loss_mask).item(),
+            "actor/ratio_mean": masked_mean(ratio, loss_mask).item(),
         }
-    return aggregate(loss, mask, agg, **norms), stats
+    return aggregate(loss, loss_mask, agg, **norms), stats
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor,
                clip: float | None = 0.2, agg: str = "token-mean", **norms) -> tuple[torch.Tensor, dict]:
     """Clipped value loss 0.5 * max((V - R)^2, (clip(V) - R)^2), masked."""
-    on = mask > 0
+    on = loss_mask > 0
     returns = torch.where(on, returns, values.detach())
     old_values = torch.where(on, old_values, values.detach())
     err = (values - returns) ** 2
@@ -187,9 +188,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         v_clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (v_clipped - returns) ** 2)
     with torch.no_grad():
-        stats = {"critic/value_mean": masked_mean(values, mask).item(),
-                 "critic/error": masked_mean((values - returns) ** 2, mask).item()}
-    return 0.5 * aggregate(err, mask, agg, **norms), stats
+        stats = {"critic/value_mean": masked_mean(values, loss_mask).item(),
+                 "critic/error": masked_mean((values - returns) ** 2, loss_mask).item()}
+    return 0.5 * aggregate(err, loss_mask, agg, **norms), stats
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "low_var_kl") -> torch.Tensor:

@@ -2,9 +2,10 @@
 logprobs / values only where they are needed (sampled tokens), and block-diagonal attention for packed batches.
 
 Alignment: for a row of ``input_ids``, output position ``t`` holds the quantity *for token t* — the logprob the model
-gave token ``t`` from the prefix before it, or the critic's value of that prefix. Positions whose token is not a
-target (``target_mask == 0``: prompt, observations, padding, the first token of each packed sequence) hold 0.
-Only target positions go through the LM head, so a 150k vocabulary costs nothing on prompt and tool tokens.
+gave token ``t`` from the prefix before it, or the critic's value of that prefix. Both take the batch's
+``loss_mask``: positions whose token is not trained (``loss_mask == 0``: prompt, observations, padding) hold 0, and
+only the hidden states that predict a trained token go through the LM head, so a 150k vocabulary costs nothing on
+prompt and tool tokens.
 """
 
 from __future__ import annotations
@@ -78,15 +79,17 @@ def _attention_kwargs(model_config, input_ids, attention_mask, position_ids, seq
     return dict(attention_mask=attention_mask, position_ids=position_ids)
 
 
-def _targets(input_ids: torch.Tensor, target_mask: torch.Tensor):
-    """Boolean [B, L-1] of prediction positions (hidden state t predicts token t+1), and their target tokens."""
-    predict = target_mask[:, 1:] > 0
-    return predict, input_ids[:, 1:][predict]
+def _scored(input_ids: torch.Tensor, loss_mask: torch.Tensor):
+    """The hidden states to score, as a boolean [B, L-1] (hidden state t predicts token t+1: those whose next token
+    has loss mask 1), and the tokens they predict."""
+    scored = loss_mask[:, 1:] > 0
+    return scored, input_ids[:, 1:][scored]
 
 
-def _scatter(values: torch.Tensor, predict: torch.Tensor, shape) -> torch.Tensor:
+def _scatter(values: torch.Tensor, scored: torch.Tensor, shape) -> torch.Tensor:
+    """Values of the scored hidden states, placed on the tokens they are for ([B, L], 0 elsewhere)."""
     out = torch.zeros(shape, dtype=values.dtype, device=values.device)
-    out[:, 1:][predict] = values
+    out[:, 1:][scored] = values
     return out
 
 
@@ -96,7 +99,7 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 class PolicyModel(nn.Module):
-    """Wraps a Hugging Face causal LM; `forward` returns per-token logprobs (and entropy) at target tokens.
+    """Wraps a Hugging Face causal LM; `forward` returns per-token logprobs (and entropy) of the trained tokens.
 
     `vocab_limit`: the policy's action space is the tokenizer's ids; a model whose embedding is padded beyond them
     (Qwen2.5: 151,936 rows for 151,665 tokens) gets its distribution restricted to them, as the sampler does.
@@ -110,7 +113,7 @@ class PolicyModel(nn.Module):
         self.lm = lm
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
 
-    def forward(self, input_ids, target_mask, attention_mask=None, position_ids=None, seq_ids=None,
+    def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
         backbone = getattr(self.lm, self.lm.base_model_prefix)
         dtype = next(self.lm.parameters()).dtype
@@ -118,19 +121,19 @@ class PolicyModel(nn.Module):
             input_ids=input_ids, use_cache=False,
             **_attention_kwargs(self.lm.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
         ).last_hidden_state
-        predict, targets = _targets(input_ids, target_mask)
-        logits = self.lm.get_output_embeddings()(hidden[:, :-1][predict])[..., :self.vocab_limit].float()
+        scored, targets = _scored(input_ids, loss_mask)
+        logits = self.lm.get_output_embeddings()(hidden[:, :-1][scored])[..., :self.vocab_limit].float()
         if temperature != 1.0:
             logits = logits / temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
-        out_lp = _scatter(logprobs, predict, input_ids.shape)
+        out_lp = _scatter(logprobs, scored, input_ids.shape)
         if not with_entropy:
             return out_lp, None
-        return out_lp, _scatter(entropy_from_logits(logits), predict, input_ids.shape)
+        return out_lp, _scatter(entropy_from_logits(logits), scored, input_ids.shape)
 
 
 class CriticModel(nn.Module):
-    """A value model: a transformer backbone plus a linear head; `forward` returns values at target tokens.
+    """A value model: a transformer backbone plus a linear head; `forward` returns values of the trained tokens.
 
     Initialised from the policy's backbone weights (a copy) unless given its own backbone.
     """
@@ -151,12 +154,12 @@ class CriticModel(nn.Module):
         first = next(lm.parameters())
         return critic.to(device=first.device, dtype=first.dtype)
 
-    def forward(self, input_ids, target_mask, attention_mask=None, position_ids=None, seq_ids=None):
+    def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None):
         dtype = next(self.backbone.parameters()).dtype
         hidden = self.backbone(
             input_ids=input_ids, use_cache=False,
             **_attention_kwargs(self.backbone.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
         ).last_hidden_state
-        predict, _ = _targets(input_ids, target_mask)
-        values = self.head(hidden[:, :-1][predict]).squeeze(-1).float()
-        return _scatter(values, predict, input_ids.shape)
+        scored, _ = _scored(input_ids, loss_mask)
+        values = self.head(hidden[:, :-1][scored]).squeeze(-1).float()
+        return _scatter(values, scored, input_ids.shape)

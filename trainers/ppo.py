@@ -5,10 +5,11 @@
     python trainers/ppo.py --config gsm8k_qwen2.5_0.5b.yaml --set trainer.lr=2e-6 --set rollout.n=8
     accelerate launch --num_processes 2 trainers/ppo.py --config ...          # DDP / FSDP per accelerate config
 
-One training step:
+One training step (`main`, after `build` made the run):
 
 1. **rollout** — episodes of the env played by the policy through the async rollout driver (`agents.rollout`);
-   their conversations become samples whose loss mask is 1 exactly on the tokens the model sampled.
+   their conversations become samples, collated into one `TrainBatch` whose ``loss_mask`` is 1 exactly on the
+   tokens the model sampled. That mask keeps its name and layout down to the loss.
 2. **old / reference logprobs, values** — recomputed by the trainer on those exact ids (and compared with the
    engine's own logprobs: the rollout/trainer mismatch).
 3. **rewards** — each turn's tool reward on its last sampled token, the final reward on the last one; optionally
@@ -24,10 +25,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import math
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,16 +41,16 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator
-from accelerate.utils import DistributedType, ProjectConfiguration, set_seed
+from accelerate.utils import set_seed
 
-from agents.policy import SamplingParams
+from agents.policy import Policy, SamplingParams
 from agents.rollout import RolloutDriver
-from mt_env.batch import pad_samples
+from mt_env.batch import TrainBatch, collate, pack
 from trainers import algos
-from trainers.config import Config, ConfigError, load_config
+from trainers.config import Config, load_config
 from trainers.modeling import PolicyModel
-from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, make_backend, make_models,
-                            make_tokenizer, sync_weights)
+from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
+                            make_backend, make_models, make_tokenizer, sync_weights)
 from trainers.sft import demonstration_samples, sft_warm_start
 from trainers.tracking import Tracker
 
@@ -57,6 +62,73 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    run = build(cfg)
+    acc, t = run.accelerator, cfg.trainer
+    if run.state.step == 0:
+        evaluate(run, 0)  # the starting level (after SFT): what RL has to beat
+
+    while run.state.step < t.total_steps:
+        step, step_start = run.state.step + 1, time.perf_counter()
+
+        # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
+        tasks = run.tasks.next(cfg.rollout.prompts_per_step)[acc.process_index::acc.num_processes]
+        result = run.driver.run(tasks, n=cfg.rollout.n, step=step)
+        metrics = dict(result.metrics, **{"perf/rollout_s": time.perf_counter() - step_start})
+        # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
+        if _global(acc, sum(sum(s.loss_mask()) for s in result.samples), "min") == 0:
+            run.tracker.message(f"step {step}: skipping the update: no trainable tokens ("
+                                f"{metrics['rollout/failed']:.0f} failed, {metrics['rollout/skipped']:.0f} skipped "
+                                f"of {len(result.episodes)} episodes)")
+            run.state.step = step
+            log_metrics(run, step, metrics)
+            continue
+        batch = collate(result.samples, run.tokenizer.pad_token_id).to(acc.device)
+
+        # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
+        update_start = time.perf_counter()
+        batch = score(batch, run.models, cfg)
+        metrics.update(logprob_mismatch(batch))
+
+        # 3. REWARDS and 4. ADVANTAGES
+        batch, advantage_stats = estimate_advantages(batch, cfg)
+        metrics.update(advantage_stats)
+        if not all(torch.isfinite(x[batch.loss_mask > 0]).all() for x in (batch.old_logprobs, batch.advantages)):
+            run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages in the batch")
+            run.state.step = step
+            continue
+
+        # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the generation backend's weights
+        metrics.update(update(batch, run.models, acc, cfg, step))
+        run.models.scheduler.step()
+        update_s = time.perf_counter() - update_start
+        sync = sync_backend(run)
+
+        # 6. LOG, EVALUATE, CHECKPOINT
+        run.state.step = step
+        metrics.update({
+            "perf/step_s": time.perf_counter() - step_start, "perf/update_s": update_s,
+            "perf/update_tokens_per_s": float(batch.attention_mask.sum()) * t.epochs / max(update_s, 1e-9),
+            "perf/elapsed_s": time.perf_counter() - run.start, "actor/lr": run.models.scheduler.get_last_lr()[0],
+            "dist/processes": acc.num_processes,
+        })
+        log_metrics(run, step, metrics)
+        if step == 1:
+            run.tracker.message(f"weights: {sync}")
+        last = step == t.total_steps or _out_of_time(cfg, run.start)
+        if (t.eval_every and step % t.eval_every == 0) or last:
+            evaluate(run, step)
+        if (t.save_every and step % t.save_every == 0) or last:
+            save_checkpoint(run)
+        if last and step < t.total_steps:
+            run.tracker.message(f"stopping at step {step}: time limit {t.time_limit_s:.0f}s reached")
+            break
+    return finish(run, args.config)
+
+
+# ================================================================================================== the run
 class TrainState:
     """What a checkpoint needs besides models, optimizers, schedulers and RNG states (accelerate saves those)."""
 
@@ -70,65 +142,73 @@ class TrainState:
         self.step = int(state["step"])
 
 
-def main(argv=None) -> dict:
-    args = parse_args(argv)
-    cfg = load_config(args.config, args.set)
+@dataclass
+class Models:
+    """The models of a run as accelerate prepared them: the policy (a `PolicyModel`), PPO's critic, the frozen KL
+    reference (the policy as RL starts), and what optimizes them."""
+
+    policy: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    critic: torch.nn.Module | None = None
+    critic_optimizer: torch.optim.Optimizer | None = None
+    reference: torch.nn.Module | None = None
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.policy.parameters()) + (list(self.critic.parameters()) if self.critic is not None else [])
+
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.optimizer, self.critic_optimizer) if o is not None]
+
+
+@dataclass
+class Run:
+    """Everything the training loop needs, made once by `build`."""
+
+    cfg: Config
+    accelerator: Accelerator
+    tracker: Tracker
+    tokenizer: Any
+    models: Models
+    lm: torch.nn.Module  #: the plain HF module inside the policy: generation runs on it, sharing the weights
+    backend: Policy
+    driver: RolloutDriver
+    eval_driver: RolloutDriver
+    tasks: TaskSource  #: training tasks, with a position that checkpoints restore
+    held_out: list[dict]  #: evaluation tasks
+    state: TrainState
+    start: float  #: `time.perf_counter()` when the run started (time limit, elapsed time)
+    evals: dict = field(default_factory=dict)  #: the first and the latest evaluation's metrics
+
+
+def build(cfg: Config) -> Run:
+    """The run described by `cfg`: processes, tracker, tokenizer, envs and tasks, models and optimizers (after the
+    SFT warm start, or restored from a checkpoint), the generation backend and the rollout drivers."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.output_dir)
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=cpu, project_config=ProjectConfiguration(
-        project_dir=str(out), automatic_checkpoint_naming=True, total_limit=cfg.trainer.keep_last))
-    rank, world = accelerator.process_index, accelerator.num_processes
-    for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
-                        ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
-        if value % world:
-            raise ConfigError(f"{name}={value} is a global size: it must divide by the {world} processes")
-    if accelerator.distributed_type == DistributedType.FSDP and cfg.rollout.backend == "hf":
-        raise ConfigError("FSDP shards the policy, and the embedded HF backend generates on the trainer's own module: "
-                          "use rollout.backend=sglang_engine or sglang_server with FSDP (or DDP with the HF backend)")
+    accelerator = make_accelerator(cfg)
     set_seed(cfg.seed, device_specific=False)
     resume_dir = _resume_dir(cfg, out)
     tracker = Tracker(out, cfg.to_dict(), enabled=accelerator.is_main_process, jsonl=cfg.logging.jsonl,
                       tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                       wandb_project=cfg.logging.wandb_project, resume=resume_dir is not None)
-    run_start = time.perf_counter()
-
-    # ---------------------------------------------------------------------------------------------- setup
+    start = time.perf_counter()
     tokenizer = make_tokenizer(cfg)
     make_env, make_eval_env = env_factory(cfg, tokenizer), env_factory(cfg, tokenizer, eval_env=True)
     probe_env = make_env().unwrapped
     tasks = TaskSource(probe_env, seed=cfg.seed)
     held_out = eval_tasks(cfg, make_eval_env().unwrapped)
-
-    lm, critic_model = make_models(cfg, tokenizer, accelerator.device)
-    policy = PolicyModel(lm, vocab_limit=len(tokenizer))
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda(cfg))
-    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    critic = critic_optimizer = None
-    if critic_model is not None:
-        critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
-        critic, critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)
+    models = _trainable_models(cfg, tokenizer, accelerator)
     state = TrainState()
     accelerator.register_for_checkpointing(tasks, state)
-    lm = accelerator.unwrap_model(policy).lm  # the plain HF module: generation runs on it, sharing the weights
-
-    # ---------------------------------------------------------------------------------------------- SFT warm start
+    lm = accelerator.unwrap_model(models.policy).lm
     if cfg.sft.steps and resume_dir is None:
-        demo_tasks = TaskSource(probe_env, seed=cfg.seed + 1).next(min(4096, cfg.sft.steps * cfg.sft.batch_size))
-        samples = demonstration_samples(make_env, demo_tasks, cfg.sft.demo_skill, cfg.seed)
-        sft_optimizer = accelerator.prepare(torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr))
-        tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), "
-                        f"{cfg.sft.steps} steps")
-        sft_stats = sft_warm_start(policy, sft_optimizer, samples, tokenizer.pad_token_id, cfg.sft.steps,
-                                   cfg.sft.batch_size, accelerator, tracker, cfg.seed, cfg.sft.time_limit_s)
-        tracker.log(0, sft_stats, console=False)
+        _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker)
     # the KL reference is the policy as RL starts (after SFT); a checkpoint restores it with everything else
-    reference = (PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer))
-                 if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0 else None)
-    if reference is not None:
-        accelerator.register_for_checkpointing(reference)
+    if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0:
+        models.reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer))
+        accelerator.register_for_checkpointing(models.reference)
     if resume_dir is not None:
         accelerator.load_state(str(resume_dir))
         accelerator.project_configuration.iteration = int(resume_dir.name.rsplit("_", 1)[-1]) + 1  # next checkpoint
@@ -138,288 +218,191 @@ def main(argv=None) -> dict:
     backend = make_backend(cfg, lm, tokenizer, weights_changed, accelerator.local_process_index)
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
+    rank, world = accelerator.process_index, accelerator.num_processes
     driver = RolloutDriver(make_env, backend, sampling, seed=cfg.seed * 1000 + rank,
                            progress=cfg.logging.progress and accelerator.is_main_process,
                            max_concurrency=cfg.rollout.prompts_per_step // world * cfg.rollout.n)
     eval_driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.seed * 1000 + 500 + rank,
                                 max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
-    layout = "packed" if cfg.trainer.packed else "padded"
-    best: dict = {}
-
-    def evaluate(step: int) -> dict:
-        metrics = run_eval(eval_driver, held_out[rank::world], cfg, accelerator)
-        tracker.log(step, metrics, console=False)
-        tracker.message(f"eval  {step:>4} | success {metrics['val/success']:.3f} | reward {metrics['val/reward']:.3f} "
-                        f"| tool calls {metrics['val/tool_call_rate']:.2f} | turns {metrics['val/turns']:.2f}")
-        best.setdefault("first", metrics)
-        best["last"] = metrics
-        return metrics
-
-    if state.step == 0:
-        evaluate(0)  # the starting level (after SFT): what RL has to beat
-
-    # ---------------------------------------------------------------------------------------------- training loop
-    while state.step < cfg.trainer.total_steps:
-        step_start = time.perf_counter()
-        step = state.step + 1
-
-        # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
-        batch_tasks = tasks.next(cfg.rollout.prompts_per_step)[rank::world]
-        result = driver.run(batch_tasks, n=cfg.rollout.n, step=step)
-        rollout_s = time.perf_counter() - step_start
-        samples = result.samples
-        metrics = dict(result.metrics)
-
-        # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
-        local_tokens = sum(sum(s.loss_mask()) for s in samples)
-        if _global(accelerator, local_tokens, "min") == 0:
-            tracker.message(f"step {step}: skipping the update: no trainable tokens ({metrics['rollout/failed']:.0f} "
-                            f"failed, {metrics['rollout/skipped']:.0f} skipped of {len(result.episodes)} episodes)")
-            state.step = step
-            tracker.log(step, reduce_metrics(accelerator, metrics))
-            continue
-        data = to_training_tensors(samples, tokenizer.pad_token_id, accelerator.device)
-        groups = [s.episode.group + rank * 10**6 for s in samples]  # episode ids: GRPO groups and per-turn samples
-        episodes = [tuple(s.episode) for s in samples]
-
-        # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
-        update_start = time.perf_counter()
-        with torch.no_grad():
-            old_lp, _ = forward(policy, data, cfg, layout)
-            ref_lp = forward(reference, data, cfg, layout)[0] if reference is not None else None
-            values = forward(critic, data, cfg, layout, critic=True)[0] if critic is not None else None
-        metrics.update(logprob_mismatch(old_lp, data["rollout_lp"], data["target"]))
-
-        # 3. REWARDS: tools' turn rewards and the final reward are already on the sampled tokens
-        rewards = data["rewards"]
-        if ref_lp is not None and cfg.algorithm.kl_mode == "reward":
-            kl = algos.kl_estimate(old_lp, ref_lp, cfg.algorithm.kl_estimator)
-            rewards = rewards - cfg.algorithm.kl_coef * torch.where(data["target"] > 0, kl, torch.zeros_like(kl))
-            metrics["actor/kl_ref"] = algos.masked_mean(kl, data["target"]).item()
-
-        # 4. ADVANTAGES
-        returns = None
-        if cfg.algorithm.name == "grpo":
-            seq_adv, grpo_stats = algos.grpo_advantages(data["episode_rewards"], groups, episodes,
-                                                        cfg.algorithm.norm_adv_by_std)
-            advantages = seq_adv[:, None] * data["target"]
-            metrics.update(grpo_stats)
-        else:
-            advantages, returns = algos.masked_gae(rewards, values, data["target"], cfg.algorithm.gamma,
-                                                   cfg.algorithm.lam, data["turn_ids"], cfg.algorithm.turn_gamma)
-            if cfg.algorithm.norm_adv_by_std:
-                advantages = algos.masked_whiten(advantages, data["target"])
-        if not all(torch.isfinite(x[data["target"] > 0]).all() for x in (old_lp, advantages)):
-            tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages in the batch")
-            state.step = step
-            continue
-
-        # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped
-        update_stats = update(policy, critic, optimizer, critic_optimizer, accelerator, cfg, layout, data,
-                              old_lp, ref_lp, values, advantages, returns, step)
-        scheduler.step()
-        update_s = time.perf_counter() - update_start
-        sync = "synced by the main process"
-        if cfg.rollout.backend != "sglang_server" or accelerator.is_main_process:  # servers are shared: sync once
-            sync = asyncio.run(sync_weights(backend, lm, str(out)))
-        accelerator.wait_for_everyone()
-
-        # 6. LOG, EVALUATE, CHECKPOINT
-        state.step = step
-        metrics.update(update_stats)
-        metrics.update({
-            "perf/step_s": time.perf_counter() - step_start, "perf/rollout_s": rollout_s, "perf/update_s": update_s,
-            "perf/update_tokens_per_s": float(data["attention_mask"].sum()) * cfg.trainer.epochs / max(update_s, 1e-9),
-            "perf/elapsed_s": time.perf_counter() - run_start, "actor/lr": scheduler.get_last_lr()[0],
-            "dist/processes": world,
-        })
-        metrics = reduce_metrics(accelerator, metrics)
-        tracker.log(step, metrics)
-        if step == 1:
-            tracker.message(f"weights: {sync}")
-        last = step == cfg.trainer.total_steps or _out_of_time(cfg, run_start)
-        if (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0) or last:
-            evaluate(step)
-        if (cfg.trainer.save_every and step % cfg.trainer.save_every == 0) or last:
-            accelerator.save_state()
-        if last and step < cfg.trainer.total_steps:
-            tracker.message(f"stopping at step {step}: time limit {cfg.trainer.time_limit_s:.0f}s reached")
-            break
-
-    # ---------------------------------------------------------------------------------------------- the end
-    summary = {"steps": state.step, "elapsed_s": time.perf_counter() - run_start,
-               "start_val_success": best.get("first", {}).get("val/success"),
-               "final_val_success": best.get("last", {}).get("val/success")}
-    if cfg.logging.plot:
-        path = tracker.plot(f"{cfg.env.id} · {cfg.algorithm.name.upper()} · {Path(args.config).stem}")
-        summary["curves"] = str(path) if path else None
-    tracker.message(
-        f"done: {summary['steps']} steps in {summary['elapsed_s']:.0f}s | held-out success "
-        f"{_pct(summary['start_val_success'])} (before RL) -> {_pct(summary['final_val_success'])} | "
-        f"metrics {out / 'metrics.jsonl'}" + (f" | curves {summary.get('curves')}" if summary.get("curves") else ""))
-    tracker.close()
-    driver.close()
-    eval_driver.close()
-    asyncio.run(backend.close())
-    return summary
+    return Run(cfg=cfg, accelerator=accelerator, tracker=tracker, tokenizer=tokenizer, models=models, lm=lm,
+               backend=backend, driver=driver, eval_driver=eval_driver, tasks=tasks, held_out=held_out, state=state,
+               start=start)
 
 
-# ================================================================================================== pieces
-def to_training_tensors(samples, pad_token_id: int, device) -> dict:
-    """Padded batch with every per-token tensor full length [B, L] (prompt + response), aligned with input_ids."""
-    batch = pad_samples(samples, pad_token_id)
-    P = batch["prompts"].shape[1]
-
-    def full(response_part):
-        return torch.cat([torch.zeros(response_part.shape[0], P), response_part], dim=1)
-
-    data = {
-        "input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-        "position_ids": batch["position_ids"], "turn_ids": batch["turn_ids"],
-        "target": full(batch["loss_mask"]), "rewards": full(batch["token_level_rewards"]),
-        "rollout_lp": full(batch["rollout_logprobs"]), "episode_rewards": batch["episode_rewards"],
-    }
-    return {k: v.to(device) for k, v in data.items()}
+def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator) -> Models:
+    """The policy and (PPO) the critic with their optimizers and the learning-rate schedule, prepared by accelerate."""
+    lm, critic_model = make_models(cfg, tokenizer, accelerator.device)
+    policy = PolicyModel(lm, vocab_limit=len(tokenizer))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
+    models = Models(*accelerator.prepare(policy, optimizer, scheduler))
+    if critic_model is not None:
+        critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
+        models.critic, models.critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)
+    return models
 
 
-def forward(model, data: dict, cfg: Config, layout: str, rows=None, critic: bool = False, with_entropy: bool = False):
-    """Per-token logprobs (and entropy) — or values for the critic — for `rows` of `data`, in micro-batches.
-
-    Packed layout: each micro-batch's rows are concatenated without padding and attend block-diagonally; results
-    come back in the padded [rows, L] layout either way.
-    """
-    rows = torch.arange(data["input_ids"].shape[0], device=data["input_ids"].device) if rows is None else rows
-    outs, ents = [], []
-    for chunk in rows.split(cfg.trainer.micro_batch_size):
-        lp, ent = _forward_micro(model, {k: data[k][chunk] for k in ("input_ids", "attention_mask", "position_ids",
-                                                                     "target")}, cfg, layout, critic, with_entropy)
-        outs.append(lp)
-        ents.append(ent)
-    return torch.cat(outs), (torch.cat(ents) if with_entropy else None)
+def _warm_start(cfg: Config, make_env, demo_source: TaskSource, policy, accelerator: Accelerator,
+                tracker: Tracker) -> None:
+    """SFT on the env's demonstrations, played through the env (its own task stream, disjoint from training's)."""
+    demo_tasks = demo_source.next(min(4096, cfg.sft.steps * cfg.sft.batch_size))
+    samples = demonstration_samples(make_env, demo_tasks, cfg.sft.demo_skill, cfg.seed)
+    optimizer = accelerator.prepare(torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr))
+    tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), {cfg.sft.steps} steps")
+    pad = demo_source.env.tokenizer.pad_token_id
+    stats = sft_warm_start(policy, optimizer, samples, pad, cfg.sft.steps, cfg.sft.batch_size, accelerator, tracker,
+                           cfg.seed, cfg.sft.time_limit_s)
+    tracker.log(0, stats, console=False)
 
 
-def _forward_micro(model, mb: dict, cfg: Config, layout: str, critic: bool, with_entropy: bool):
-    kwargs = {} if critic else {"temperature": max(cfg.rollout.temperature, 1e-6) if cfg.rollout.temperature > 0
-                                else 1.0, "with_entropy": with_entropy}
-    if layout == "padded":
-        out = model(mb["input_ids"], mb["target"], attention_mask=mb["attention_mask"],
-                    position_ids=mb["position_ids"], **kwargs)
-        return (out, None) if critic else out
-    keep = mb["attention_mask"].bool()
-    seq_ids = torch.arange(keep.shape[0], device=keep.device)[:, None].expand_as(keep)[keep][None]
-    packed = model(mb["input_ids"][keep][None], mb["target"][keep][None], position_ids=mb["position_ids"][keep][None],
-                   seq_ids=seq_ids, **kwargs)
-    lp, ent = (packed, None) if critic else packed
-
-    def unpack(x):
-        full = torch.zeros(keep.shape, dtype=x.dtype, device=x.device)
-        full[keep] = x[0]
-        return full
-
-    return unpack(lp), (unpack(ent) if ent is not None else None)
+# ================================================================================================== one step
+def forward(model, mb: TrainBatch, cfg: Config, critic: bool = False, with_entropy: bool = False):
+    """`model` on one micro-batch: (logprobs, entropy or None) for the policy, values for the critic; every output
+    ``[b, L]`` aligned with ``mb.input_ids`` and non-zero only where ``mb.loss_mask`` is. With ``trainer.packed``
+    the rows run end to end without padding, attending block-diagonally (`mt_env.batch.pack`)."""
+    temperature = max(cfg.rollout.temperature, 1e-6) if cfg.rollout.temperature > 0 else 1.0
+    kwargs = {} if critic else {"temperature": temperature, "with_entropy": with_entropy}
+    if not cfg.trainer.packed:
+        return model(mb.input_ids, mb.loss_mask, attention_mask=mb.attention_mask, position_ids=mb.position_ids,
+                     **kwargs)
+    rows = pack(mb)
+    out = model(rows.input_ids, rows.loss_mask, position_ids=rows.position_ids, seq_ids=rows.seq_ids, **kwargs)
+    return rows.unpack(out) if critic else tuple(None if x is None else rows.unpack(x) for x in out)
 
 
-def update(policy, critic, optimizer, critic_optimizer, accelerator, cfg: Config, layout: str, data: dict, old_lp,
-           ref_lp, old_values, advantages, returns, step: int) -> dict:
-    """The masked, clipped PPO update: `epochs` passes of mini-batches, each accumulated over micro-batches.
+@torch.no_grad()
+def score(batch: TrainBatch, models: Models, cfg: Config) -> TrainBatch:
+    """The batch with the policy's logprobs before the update (`old_logprobs`), the reference's and the critic's
+    values on its exact ids, computed in micro-batches."""
+    chunks = torch.arange(len(batch), device=batch.input_ids.device).split(cfg.trainer.micro_batch_size)
 
-    Normalisers (sampled tokens, sequences) are those of the whole mini-batch across processes, so that micro-batch
-    losses add up to the mini-batch loss and the gradient DDP averages is the gradient of the global loss."""
-    a, t = cfg.algorithm, cfg.trainer
-    B = data["input_ids"].shape[0]
-    world = accelerator.num_processes
-    n_mini = max(1, math.ceil(B / (t.minibatch_size // world)))  # minibatch_size is global
-    n_mini = int(_global(accelerator, n_mini, "max"))
-    policy.train()
+    def each(model, critic=False):
+        outputs = [forward(model, batch[rows], cfg, critic=critic) for rows in chunks]
+        return torch.cat(outputs if critic else [logprobs for logprobs, _ in outputs])
+
+    return batch.replace(old_logprobs=each(models.policy),
+                         ref_logprobs=each(models.reference) if models.reference is not None else None,
+                         values=each(models.critic, critic=True) if models.critic is not None else None)
+
+
+@torch.no_grad()
+def estimate_advantages(batch: TrainBatch, cfg: Config) -> tuple[TrainBatch, dict]:
+    """GRPO: the episode's return normalised within its group, on every sampled token. PPO: GAE over sampled tokens
+    on the token-level rewards (minus the KL penalty with ``kl_mode: reward``), with the critic's values."""
+    a = cfg.algorithm
+    if a.name == "grpo":
+        seq_adv, stats = algos.grpo_advantages(batch.episode_rewards, batch.group.tolist(), batch.episode.tolist(),
+                                               a.norm_adv_by_std)
+        return batch.replace(advantages=seq_adv[:, None] * batch.loss_mask), stats
+    rewards, stats = batch.rewards, {}
+    if batch.ref_logprobs is not None and a.kl_mode == "reward":
+        kl = algos.kl_estimate(batch.old_logprobs, batch.ref_logprobs, a.kl_estimator)
+        rewards = rewards - a.kl_coef * torch.where(batch.loss_mask > 0, kl, torch.zeros_like(kl))
+        stats["actor/kl_ref"] = algos.masked_mean(kl, batch.loss_mask).item()
+    advantages, returns = algos.masked_gae(rewards, batch.values, batch.loss_mask, a.gamma, a.lam, batch.turn_ids,
+                                           a.turn_gamma)
+    if a.norm_adv_by_std:
+        advantages = algos.masked_whiten(advantages, batch.loss_mask)
+    return batch.replace(advantages=advantages, returns=returns), stats
+
+
+def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Config, step: int) -> dict:
+    """The masked, clipped PPO update: `epochs` passes of shuffled mini-batches, one optimizer step each, its
+    gradient accumulated over micro-batches."""
     stats: dict[str, list] = {}
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
-    constant = cfg.rollout.max_response_tokens
-    for _ in range(t.epochs):
-        order = torch.randperm(B, generator=generator).to(data["input_ids"].device)
-        for mb_rows in order.tensor_split(n_mini):
-            target = data["target"][mb_rows]
-            # each process divides its share by (global count / processes); DDP then averages the gradients: the
-            # result is exactly the gradient of the global mini-batch loss
-            norms = {"norm_tokens": _global(accelerator, target.sum(), "sum") / world,
-                     "norm_seqs": _global(accelerator, (target.sum(-1) > 0).sum(), "sum") / world, "constant": constant}
-            micro = list(mb_rows.split(t.micro_batch_size)) or [mb_rows]
-            n_micro = int(_global(accelerator, len(micro), "max"))
-            micro += [mb_rows[:0]] * (n_micro - len(micro))  # equal counts on every process (collectives line up)
-            bad = False
-            for k, rows in enumerate(micro):
-                last = k == len(micro) - 1
-                empty = rows.numel() == 0
-                rows = rows if not empty else mb_rows[:1]  # an empty slot runs one row with zero weight
-                weight = 0.0 if empty else 1.0
-                ctx = contextlib.nullcontext() if last else accelerator.no_sync(policy)
-                with ctx:
-                    lp, ent = forward(policy, data, cfg, layout, rows, with_entropy=a.entropy_coef > 0)
-                    mask = data["target"][rows] * weight
-                    is_w = (algos.truncated_is_weights(old_lp[rows], data["rollout_lp"][rows], a.tis_cap)
-                            if a.tis_cap else None)
-                    pg, pg_stats = algos.policy_loss(lp, old_lp[rows], advantages[rows], mask, a.clip_low,
-                                                     a.clip_high, a.dual_clip, a.loss_agg, is_w, **norms)
-                    loss = pg
-                    if ent is not None:
-                        entropy = algos.aggregate(ent, mask, a.loss_agg, **norms)
-                        loss = loss - a.entropy_coef * entropy
-                        _add(stats, "actor/entropy", entropy.item() * len(micro))
-                    if ref_lp is not None and a.kl_mode == "loss":
-                        kl = algos.aggregate(algos.kl_estimate(lp, ref_lp[rows], a.kl_estimator), mask, a.loss_agg,
-                                             **norms)
-                        loss = loss + a.kl_coef * kl
-                        _add(stats, "actor/kl_ref", kl.item() * len(micro))
-                    if critic is not None:
-                        values, _ = forward(critic, data, cfg, layout, rows, critic=True)
-                        vf, vf_stats = algos.value_loss(values, old_values[rows], returns[rows], mask, a.value_clip,
-                                                        a.loss_agg, **norms)
-                        loss = loss + a.value_coef * vf
-                        _add(stats, "critic/loss", vf.item() * len(micro))
-                        for key, v in vf_stats.items():
-                            _add(stats, key, v)
-                    if not torch.isfinite(loss):
-                        bad = True
+    models.policy.train()
+    optimizer_steps = 0
+    for _ in range(cfg.trainer.epochs):
+        for minibatch in minibatches(batch, accelerator, cfg, generator):
+            optimizer_steps += 1
+            finite = True
+            for k, (rows, weight) in enumerate(minibatch.micro):
+                last = k == len(minibatch.micro) - 1
+                with contextlib.nullcontext() if last else accelerator.no_sync(models.policy):
+                    loss, terms, token_stats = ppo_loss(batch[rows], models, cfg, minibatch.norms, weight)
+                    finite = finite and bool(torch.isfinite(loss))
                     accelerator.backward(loss)
-                _add(stats, "actor/loss", pg.item() * len(micro))
-                for key, v in pg_stats.items():
-                    _add(stats, key, v)
-            params = list(policy.parameters()) + (list(critic.parameters()) if critic is not None else [])
-            grad_norm = accelerator.clip_grad_norm_(params, t.max_grad_norm)
-            if bad or not torch.isfinite(grad_norm):
+                for key, value in terms.items():  # each micro-batch's share of the mini-batch loss, scaled up
+                    _add(stats, key, value * len(minibatch.micro))
+                for key, value in token_stats.items():
+                    _add(stats, key, value)
+            grad_norm = accelerator.clip_grad_norm_(models.trained_parameters(), cfg.trainer.max_grad_norm)
+            if finite and torch.isfinite(grad_norm):
+                for optimizer in models.optimizers():
+                    optimizer.step()
+                _add(stats, "actor/grad_norm", float(grad_norm))
+            else:
                 accelerator.print(f"step {step}: skipping an optimizer step: non-finite loss or gradient")
                 _add(stats, "actor/skipped_updates", 1.0)
-            else:
-                optimizer.step()
-                if critic_optimizer is not None:
-                    critic_optimizer.step()
-                _add(stats, "actor/grad_norm", float(grad_norm))
-            optimizer.zero_grad(set_to_none=True)
-            if critic_optimizer is not None:
-                critic_optimizer.zero_grad(set_to_none=True)
+            for optimizer in models.optimizers():
+                optimizer.zero_grad(set_to_none=True)
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["actor/skipped_updates"] = float(sum(stats.get("actor/skipped_updates", [0.0])))
-    out["actor/mini_batches"] = float(n_mini * t.epochs)
+    out["actor/mini_batches"] = float(optimizer_steps)
     return out
 
 
-def run_eval(driver: RolloutDriver, tasks: list[dict], cfg: Config, accelerator) -> dict:
-    """Held-out episodes through the same rollout driver: greedy, or sampled with pass@k over `eval.samples`."""
-    overrides = {"temperature": 0.0} if cfg.eval.greedy else {}
-    result = driver.run(tasks, n=cfg.eval.samples, step=0, **overrides)
-    summary = result.summary()
-    metrics = {f"val/{k}": summary[k] for k in ("success", "reward", "turns", "tool_call_rate")}
-    metrics["val/failed"] = float(len(result.episodes)) - summary["played"]
-    if cfg.eval.samples > 1:
-        metrics[f"val/pass@{cfg.eval.samples}"] = summary["pass@n"]
-    return reduce_metrics(accelerator, metrics)
+def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: float = 1.0):
+    """The loss of one micro-batch, as in CleanRL: clipped policy loss − entropy bonus + KL penalty + value loss
+    (terms that are off are 0). Reduced with the mini-batch's global normalisers (`norms`), so micro-batch losses
+    add up to the mini-batch loss; `weight` 0 runs an empty slot without effect. Returns (loss, the loss terms,
+    per-token statistics)."""
+    a = cfg.algorithm
+    loss_mask = mb.loss_mask * weight
+    aggregate = functools.partial(algos.aggregate, loss_mask=loss_mask, mode=a.loss_agg, **norms)
+    logprobs, entropy = forward(models.policy, mb, cfg, with_entropy=a.entropy_coef > 0)
+    is_weights = (algos.truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, a.tis_cap) if a.tis_cap
+                  else None)
+    pg_loss, stats = algos.policy_loss(logprobs, mb.old_logprobs, mb.advantages, loss_mask, a.clip_low, a.clip_high,
+                                       a.dual_clip, a.loss_agg, is_weights, **norms)
+    terms = {"actor/loss": pg_loss}  # the terms that are on
+    if entropy is not None:
+        terms["actor/entropy"] = aggregate(entropy)
+    if mb.ref_logprobs is not None and a.kl_mode == "loss":
+        terms["actor/kl_ref"] = aggregate(algos.kl_estimate(logprobs, mb.ref_logprobs, a.kl_estimator))
+    if models.critic is not None:
+        values = forward(models.critic, mb, cfg, critic=True)
+        terms["critic/loss"], value_stats = algos.value_loss(values, mb.values, mb.returns, loss_mask, a.value_clip,
+                                                             a.loss_agg, **norms)
+        stats.update(value_stats)
+    zero = pg_loss.new_zeros(())
+    entropy_bonus, kl, value_loss = (terms.get(k, zero) for k in ("actor/entropy", "actor/kl_ref", "critic/loss"))
+    loss = pg_loss - a.entropy_coef * entropy_bonus + a.kl_coef * kl + a.value_coef * value_loss
+    return loss, {k: v.item() for k, v in terms.items()}, stats
 
 
-def logprob_mismatch(trainer_lp, rollout_lp, target) -> dict:
+@dataclass
+class MiniBatch:
+    micro: list[tuple[torch.Tensor, float]]  #: (rows, weight) per micro-batch; weight 0: an empty slot
+    norms: dict  #: the loss normalisers of the global mini-batch (see `algos.aggregate`)
+
+
+def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
+                generator: torch.Generator) -> Iterator[MiniBatch]:
+    """One epoch of shuffled mini-batches split into micro-batches, with what keeps DDP exact: every process runs
+    the same number of mini- and micro-batches (its empty slots run one row with weight 0, so the collectives line
+    up), and each process divides its loss by the global mini-batch's counts / processes — DDP averages the
+    gradients, so the result is exactly the gradient of the global mini-batch loss."""
+    t, world = cfg.trainer, accelerator.num_processes
+    n_mini = int(_global(accelerator, max(1, math.ceil(len(batch) / (t.minibatch_size // world))), "max"))
+    order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
+    for rows in order.tensor_split(n_mini):
+        loss_mask = batch.loss_mask[rows]
+        norms = {"norm_tokens": _global(accelerator, loss_mask.sum(), "sum") / world,
+                 "norm_seqs": _global(accelerator, (loss_mask.sum(-1) > 0).sum(), "sum") / world,
+                 "constant": cfg.rollout.max_response_tokens}
+        micro = list(rows.split(t.micro_batch_size)) or [rows]
+        micro += [rows[:0]] * (int(_global(accelerator, len(micro), "max")) - len(micro))
+        yield MiniBatch([(m, 1.0) if m.numel() else (rows[:1], 0.0) for m in micro], norms)
+
+
+def logprob_mismatch(batch: TrainBatch) -> dict:
     """How far the engine's logprobs of the sampled tokens are from the trainer's recomputation."""
-    on = target > 0
+    on = batch.loss_mask > 0
     if not on.any():
         return {}
-    diff = (trainer_lp - rollout_lp)[on].float()
+    diff = (batch.old_logprobs - batch.rollout_logprobs)[on].float()
     diff = diff[torch.isfinite(diff)]
     ratio = torch.exp(diff.clamp(-20, 20))
     return {"mismatch/logprob_abs_max": diff.abs().max().item(), "mismatch/logprob_abs_mean": diff.abs().mean().item(),
@@ -427,10 +410,73 @@ def logprob_mismatch(trainer_lp, rollout_lp, target) -> dict:
             "mismatch/ratio_min": ratio.min().item()}
 
 
+def sync_backend(run: Run) -> str:
+    """Push the updated weights to the generation backend (servers are shared: the main process syncs them once);
+    returns what was done, for the log."""
+    sync = "synced by the main process"
+    if run.cfg.rollout.backend != "sglang_server" or run.accelerator.is_main_process:
+        sync = asyncio.run(sync_weights(run.backend, run.lm, run.cfg.output_dir))
+    run.accelerator.wait_for_everyone()
+    return sync
+
+
+# ================================================================================================== log, evaluate, save
+def evaluate(run: Run, step: int) -> dict:
+    """Held-out episodes through the same rollout driver: greedy, or sampled with pass@k over `eval.samples`."""
+    cfg, acc = run.cfg, run.accelerator
+    overrides = {"temperature": 0.0} if cfg.eval.greedy else {}
+    result = run.eval_driver.run(run.held_out[acc.process_index::acc.num_processes], n=cfg.eval.samples, step=0,
+                                 **overrides)
+    summary = result.summary()
+    metrics = {f"val/{k}": summary[k] for k in ("success", "reward", "turns", "tool_call_rate")}
+    metrics["val/failed"] = float(len(result.episodes)) - summary["played"]
+    if cfg.eval.samples > 1:
+        metrics[f"val/pass@{cfg.eval.samples}"] = summary["pass@n"]
+    metrics = reduce_metrics(acc, metrics)
+    run.tracker.log(step, metrics, console=False)
+    run.tracker.message(f"eval  {step:>4} | success {metrics['val/success']:.3f} | reward {metrics['val/reward']:.3f} "
+                        f"| tool calls {metrics['val/tool_call_rate']:.2f} | turns {metrics['val/turns']:.2f}")
+    run.evals.setdefault("first", metrics)
+    run.evals["last"] = metrics
+    return metrics
+
+
+def log_metrics(run: Run, step: int, metrics: dict) -> None:
+    """One step's metrics, combined over the processes, to the console, metrics.jsonl and any trackers."""
+    run.tracker.log(step, reduce_metrics(run.accelerator, metrics))
+
+
+def save_checkpoint(run: Run) -> None:
+    """Models, optimizers, schedulers, RNG states, the task stream's position and the step (`accelerate`)."""
+    run.accelerator.save_state()
+
+
+def finish(run: Run, config_name: str) -> dict:
+    """Plot, say how it went, close everything; returns the run's summary."""
+    cfg = run.cfg
+    out = Path(cfg.output_dir)
+    summary = {"steps": run.state.step, "elapsed_s": time.perf_counter() - run.start,
+               "start_val_success": run.evals.get("first", {}).get("val/success"),
+               "final_val_success": run.evals.get("last", {}).get("val/success")}
+    if cfg.logging.plot:
+        path = run.tracker.plot(f"{cfg.env.id} · {cfg.algorithm.name.upper()} · {Path(config_name).stem}")
+        summary["curves"] = str(path) if path else None
+    run.tracker.message(
+        f"done: {summary['steps']} steps in {summary['elapsed_s']:.0f}s | held-out success "
+        f"{_pct(summary['start_val_success'])} (before RL) -> {_pct(summary['final_val_success'])} | "
+        f"metrics {out / 'metrics.jsonl'}" + (f" | curves {summary.get('curves')}" if summary.get("curves") else ""))
+    run.tracker.close()
+    run.driver.close()
+    run.eval_driver.close()
+    asyncio.run(run.backend.close())
+    return summary
+
+
 #: metrics that count things: summed over processes (everything else is averaged)
-COUNT_PREFIXES = ("rollout/episodes", "rollout/completed", "rollout/truncated", "rollout/failed", "rollout/skipped",
-                  "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "rollout/finish_",
-                  "rollout/end/", "val/failed", "grpo/groups", "grpo/zero_variance_groups")
+COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout/failed", "rollout/skipped",
+          "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "val/failed", "grpo/groups",
+          "grpo/zero_variance_groups"}
+COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
@@ -444,10 +490,11 @@ def reduce_metrics(accelerator, metrics: dict) -> dict:
     out = {}
     for key in sorted({k for d in everyone for k in d}):
         values = [float(d[key]) for d in everyone if key in d]
-        out[key] = sum(values) if key.startswith(COUNT_PREFIXES) else sum(values) / len(values)
+        out[key] = sum(values) if key in COUNTS or key.startswith(COUNT_PREFIXES) else sum(values) / len(values)
     return out
 
 
+# ================================================================================================== helpers
 def _add(stats: dict, key: str, value: float) -> None:
     stats.setdefault(key, []).append(value)
 
@@ -461,22 +508,6 @@ def _global(accelerator, x, op: str) -> float:
         return float(accelerator.reduce(t, reduction="sum"))
     gathered = accelerator.gather(t)
     return float(gathered.min() if op == "min" else gathered.max())
-
-
-def _lr_lambda(cfg: Config):
-    t = cfg.trainer
-
-    def factor(step: int) -> float:
-        if step < t.warmup_steps:
-            return (step + 1) / (t.warmup_steps + 1)
-        progress = (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps)
-        if t.lr_schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if t.lr_schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-        return 1.0
-
-    return factor
 
 
 def _resume_dir(cfg: Config, out: Path) -> Path | None:

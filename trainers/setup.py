@@ -1,4 +1,5 @@
-"""Building what `ppo.py` needs from its config: tokenizer, envs and tasks, models, the generation backend.
+"""Building what `ppo.py` needs from its config: processes, tokenizer, envs and tasks, models, the generation
+backend.
 
 Kept out of `ppo.py` so the algorithm there reads top to bottom; nothing here is RL.
 """
@@ -6,14 +7,17 @@ Kept out of `ppo.py` so the algorithm there reads top to bottom; nothing here is
 from __future__ import annotations
 
 import copy
-from pathlib import Path
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedType, ProjectConfiguration
 
 import mt_env  # noqa: F401  (registers the envs)
 from mt_env.env import ToolEnv
@@ -23,6 +27,42 @@ from .config import Config, ConfigError
 from .modeling import build_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------------------------- processes
+def make_accelerator(cfg: Config) -> Accelerator:
+    """One process, or DDP/FSDP under ``accelerate launch``; checkpoints go to ``<output_dir>/checkpoints``. Checks
+    that the global batch sizes split between the processes."""
+    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    accelerator = Accelerator(cpu=cpu, project_config=ProjectConfiguration(
+        project_dir=str(Path(cfg.output_dir)), automatic_checkpoint_naming=True, total_limit=cfg.trainer.keep_last))
+    world = accelerator.num_processes
+    for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
+                        ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
+        if value % world:
+            raise ConfigError(f"{name}={value} is a global size: it must divide by the {world} processes")
+    if accelerator.distributed_type == DistributedType.FSDP and cfg.rollout.backend == "hf":
+        raise ConfigError("FSDP shards the policy, and the embedded HF backend generates on the trainer's own module: "
+                          "use rollout.backend=sglang_engine or sglang_server with FSDP (or DDP with the HF backend)")
+    return accelerator
+
+
+def lr_factor(cfg: Config) -> Callable[[int], float]:
+    """The learning-rate schedule as a factor of `trainer.lr` per step: linear warmup, then constant, linear or
+    cosine decay."""
+    t = cfg.trainer
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / (t.warmup_steps + 1)
+        progress = (step - t.warmup_steps) / max(1, t.total_steps - t.warmup_steps)
+        if t.lr_schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if t.lr_schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        return 1.0
+
+    return factor
 
 
 # --------------------------------------------------------------------------------------------- tokenizer

@@ -10,12 +10,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
-from mt_env.batch import pad_samples
-from mt_env.conversation import Sample
-from mt_env.env import ModelTurn
+from mt_env.batch import collate
 from mt_env.errors import BudgetError
+from mt_env.sample import Sample
+from mt_env.turn import ModelTurn
 
 from .algos import masked_mean
 
@@ -34,7 +33,7 @@ def demonstration_samples(make_env, tasks: list[dict], skill: float, seed: int) 
             continue
         fmt = env.conversation.fmt
         for text in env.demonstration(task, rng, skill)[::2]:  # assistant turns; tool results come from the tools
-            _, _, terminated, truncated, _ = env.step(ModelTurn(token_ids=fmt.encode(text) + [fmt.end_of_turn_id]))
+            _, _, terminated, truncated, _ = env.step(ModelTurn(ids=fmt.encode(text) + [fmt.end_of_turn_id]))
             if terminated or truncated:
                 break
         samples += env.conversation.samples()
@@ -55,13 +54,10 @@ def sft_warm_start(policy, optimizer, samples: list[Sample], pad_token_id: int, 
     step = 0
     for step in range(1, steps + 1):
         rows = [samples[i] for i in rng.integers(len(samples), size=batch_size)]
-        batch = pad_samples(rows, pad_token_id).to(device)
-        P = batch["prompts"].shape[1]
-        target = torch.zeros_like(batch["input_ids"], dtype=torch.float32)
-        target[:, P:] = batch["loss_mask"]
-        logprobs, _ = policy(batch["input_ids"], target, attention_mask=batch["attention_mask"],
-                             position_ids=batch["position_ids"])
-        loss = -masked_mean(logprobs, target)
+        batch = collate(rows, pad_token_id).to(device)
+        logprobs, _ = policy(batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                             position_ids=batch.position_ids)
+        loss = -masked_mean(logprobs, batch.loss_mask)
         optimizer.zero_grad(set_to_none=True)
         accelerator.backward(loss)
         accelerator.clip_grad_norm_(policy.parameters(), 1.0)
