@@ -36,9 +36,9 @@ optimizer step the next token sees the new weights) through its own layer loop:
 * **Sampling** (`sample_tokens`): for the whole batch at once on the device: ``log_softmax(logits / T)`` (T = 1
   for greedy rows, which take the argmax), then inverse-CDF sampling with one uniform number per row drawn on the
   host from the row's own ``random.Random`` — the same draws whatever the path, so a seed gives the same tokens
-  on both. Top-k/top-p need a sort of the vocabulary: only the ``"truncate"`` mode (used when some row asks for
-  it) does it, and only rows that ask for truncation sample in sorted order, so a row's tokens do not depend on
-  the other rows in its batch.
+  on both, whatever else is in the batch. Top-k/top-p need a sort of the vocabulary: only the ``"truncate"``
+  mode (used when some row asks for it) sorts, to find each row's kept set; the CDF always runs in vocabulary
+  order (near-ties that two computations sort differently would otherwise swap tokens).
 
 Departures from transformers' own ``StaticCache``: a static cache has one length for the whole batch and no way to
 let a row leave or join by slot; ours keeps a length per slot. Prefill K/V are expanded to all query heads for
@@ -194,31 +194,30 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torc
     logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
     if mode != "greedy":
-        probs, order = logprobs.exp(), None
+        probs = logprobs.exp()
         if mode == "truncate":
-            probs, order = _truncate(probs, top_k, top_p)
+            probs = _truncate(probs, top_k, top_p)
         cdf = probs.to(uniform.dtype).cumsum(dim=-1)
         total = cdf[:, -1]
         target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
         # NaN logits would make the index point past the vocabulary: clamp it (the NaN logprob reports them).
         choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-        if order is not None:
-            choice = order.gather(1, choice)
         tokens = torch.where(greedy, tokens, choice.squeeze(1))
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
-def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows that truncate: probabilities sorted (stable, descending) with the tail beyond top-k/top-p zeroed, and
-    the order; other rows keep the vocabulary order and every probability."""
+def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs` with the tokens outside each row's top-k / top-p set zeroed, still in vocabulary order.
+
+    The set comes from a (stable, descending) sort; sampling then runs in vocabulary order, so two tokens of
+    nearly equal probability that two computations sort differently change nothing unless they straddle the
+    cut (sampling in sorted order would swap their CDF intervals)."""
     vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=probs.device)
-    truncating = ((top_k < vocab) | (top_p < 1))[:, None]
-    sorted_probs, sorted_order = probs.sort(dim=-1, descending=True, stable=True)
-    probs = torch.where(truncating, sorted_probs, probs)
-    order = torch.where(truncating, sorted_order, rank)
-    mass_before = probs.cumsum(dim=-1) - probs
-    return probs * ((rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])), order
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+    return probs * torch.empty_like(keep).scatter_(1, order, keep)
 
 
 # --------------------------------------------------------------------------------------------- slot bookkeeping
