@@ -32,7 +32,7 @@ optimizer step the next token sees the new weights) through its own layer loop:
   inputs and outputs are the engine's persistent per-slot buffers. Optimizer steps and `copy_` update parameters
   in place, so graphs see new weights; a module whose parameters were reallocated (``.to()``,
   ``load_state_dict(assign=True)``) is detected by its parameters' addresses (`SlotEngine.check_module`) and the
-  graphs are captured again.
+  graphs are captured again (checked before each prefill: weights change between generations).
 * **Sampling** (`sample_tokens`): for the whole batch at once on the device: ``log_softmax(logits / T)`` (T = 1
   for greedy rows, which take the argmax), then inverse-CDF sampling with one uniform number per row drawn on the
   host from the row's own ``random.Random`` — the same draws whatever the path, so a seed gives the same tokens
@@ -40,9 +40,16 @@ optimizer step the next token sees the new weights) through its own layer loop:
   mode (used when some row asks for it) sorts, to find each row's kept set; the CDF always runs in vocabulary
   order (near-ties that two computations sort differently would otherwise swap tokens).
 
-Departures from transformers' own ``StaticCache``: a static cache has one length for the whole batch and no way to
-let a row leave or join by slot; ours keeps a length per slot. Prefill K/V are expanded to all query heads for
-SDPA (``enable_gqa`` is not served by every SDPA backend; prefill is not the bottleneck), decode never expands.
+Per step the host only sends the sampled rows' uniform numbers (one copy from pinned memory) and reads back each
+slot's token and logprob (one copy); tokens, lengths and sampling parameters stay on the device, set when a row
+is prefilled or moved. A pass that fails (an exception, NaN logits) frees its rows' slots and zeroes their KV, so
+that no non-finite value is left where a later row's mask hides it.
+
+Choices worth knowing: not transformers' ``StaticCache`` (one length for the whole batch, no slot to join or
+leave by); the module is checked for reallocated parameters before each prefill rather than before each replay
+(walking its parameters costs about as much as a tenth of a decode step); prefill K/V are expanded to all query
+heads for SDPA (``enable_gqa`` is not served by every SDPA backend, and prefill is not the bottleneck), decode
+never expands them; an all-greedy batch uses a ``"greedy"`` graph that skips the CDF.
 """
 
 from __future__ import annotations
@@ -263,6 +270,9 @@ class SlotTable:
     def free_count(self) -> int:
         return self._rows.count(None)
 
+    def held_count(self) -> int:
+        return len(self._rows) - self._rows.count(None)
+
     def acquire(self, rows: Sequence[Any]) -> list[int]:
         """Give each of `rows` one of the lowest free slots; returns the slots in row order."""
         free = [slot for slot, row in enumerate(self._rows) if row is None][:len(rows)]
@@ -279,19 +289,19 @@ class SlotTable:
             self._rows[slot] = None
 
     def bucket(self) -> int:
-        """The batch bucket a decode step needs: it covers the highest held slot."""
-        top = max((slot for slot, row in enumerate(self._rows) if row is not None), default=-1)
+        """The batch bucket a decode step needs: it covers the highest held slot (0 when none is held)."""
+        top = next((slot for slot in range(len(self._rows) - 1, -1, -1) if self._rows[slot] is not None), -1)
         return bucket_for(top + 1, self.buckets)
 
     def compact(self) -> list[tuple[int, int]]:
         """Move rows held above the bucket their count needs into the lowest free slots below it; returns the
         (from, to) moves, already applied here (the caller moves the KV)."""
-        held = self.occupied()
-        target = bucket_for(len(held), self.buckets)
+        target = bucket_for(self.held_count(), self.buckets)
         if self.bucket() <= target:
             return []
         free = [slot for slot in range(target) if self._rows[slot] is None]
-        moves = list(zip([slot for slot, _ in held if slot >= target], free))
+        above = [slot for slot in range(target, len(self._rows)) if self._rows[slot] is not None]
+        moves = list(zip(above, free))
         for src, dst in moves:
             self._rows[dst], self._rows[src] = self._rows[src], None
         return moves
@@ -406,7 +416,11 @@ class SlotEngine:
 
     def check_module(self, busy: bool) -> None:
         """Notice reallocated parameters (graphs are captured again) or a module moved to another device or dtype
-        (the cache is dropped; impossible while rows are decoding: `busy`)."""
+        (the cache is dropped; impossible while rows are decoding: `busy`).
+
+        HFPolicy calls it before each prefill: weights change between generations (optimizer steps must not run
+        while a generation is in flight), and every generation starts with a prefill. Walking the module's
+        parameters costs ~0.7 ms for a 24-layer model, too much for every decode step."""
         key = _module_key(self.model, self.layout)
         if key == self._module_key:
             return

@@ -425,7 +425,7 @@ class HFPolicy(Policy):
         return held + ([r for _, r in self._slots.occupied()] if self._slots is not None else [])
 
     def _busy(self) -> bool:
-        return bool(self._batches or self._waiting or (self._slots is not None and self._slots.bucket()))
+        return bool(self._batches or self._waiting or (self._slots is not None and self._slots.held_count()))
 
     def _everyone(self) -> list[_Request]:
         """All requests the worker holds or that are still queued; clears them from the worker's state (queued
@@ -495,7 +495,7 @@ class HFPolicy(Policy):
         new, self._waiting = self._waiting[:room], self._waiting[room:]
         self._start(new)
         try:
-            self._engine.check_module(busy=bool(self._slots.bucket()))
+            self._engine.check_module(busy=self._slots.held_count() > 0)
         except Exception as e:
             self._fail(new, "prefill", e)
             return
