@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import math
 import queue
 import random
 import threading
@@ -200,14 +201,7 @@ class HFPolicy(Policy):
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2**31 - 1
         self.max_context_len = max_context_len or positions
 
-        accepted = inspect.signature(model.forward).parameters
-        if "cache" in accepted:  # recent transformers (5.24) name it `cache`; 5.17 still says `past_key_values`
-            self._cache_arg = "cache"
-        elif "past_key_values" in accepted:
-            self._cache_arg = "past_key_values"
-        else:
-            raise TypeError(f"{type(model).__name__}.forward takes no KV cache (`cache` / `past_key_values`)")
-        self._keep_last_logits = "logits_to_keep" in accepted
+        self._cache_arg, self._keep_last_logits = _forward_arguments(model)
 
         #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges, graph replays, ...
         #: merges and separate_batches are the transformers path's; the fast path pads decode batches to a bucket
@@ -472,7 +466,7 @@ class HFPolicy(Policy):
 
     def _record(self, rows: list[_Request], tokens: list[int], logprobs: list[float]) -> list[int]:
         """Append each row's new token and retire the rows that are done; returns the indices of those that go on."""
-        if any(lp != lp for lp in logprobs):
+        if any(math.isnan(lp) for lp in logprobs):
             raise GenerationError("the model produced NaN logits")
         keep = []
         for i, (request, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
@@ -715,6 +709,16 @@ def _mergeable(cache: Any, width: int) -> bool:
 def _pad_time(states: torch.Tensor, n: int) -> torch.Tensor:
     """Left-pad [batch, heads, time, dim] key/value states with `n` zero positions."""
     return F.pad(states, (0, 0, n, 0)) if n else states
+
+
+def _forward_arguments(model: nn.Module) -> tuple[str, bool]:
+    """The name of the forward's KV-cache argument, and whether it takes ``logits_to_keep``."""
+    accepted = inspect.signature(model.forward).parameters
+    if "cache" in accepted:  # recent transformers (5.24) name it `cache`; 5.17 still says `past_key_values`
+        return "cache", "logits_to_keep" in accepted
+    if "past_key_values" in accepted:
+        return "past_key_values", "logits_to_keep" in accepted
+    raise TypeError(f"{type(model).__name__}.forward takes no KV cache (`cache` / `past_key_values`)")
 
 
 def _device(model: nn.Module) -> torch.device:

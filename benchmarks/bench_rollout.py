@@ -181,9 +181,10 @@ def print_row(row: dict) -> None:
           f"{row['bookkeeping_s']:>13.3f}")
     for name in ("driver", "engine"):
         p = row[f"{name}_passes"]
+        steps = max(1, p["decode_passes"])
         print(f"      {name:<6} passes: {p['prefill_passes']} prefill, {p['decode_passes']} decode "
-              f"({p['decoded_rows'] / max(1, p['decode_passes']):.1f} rows + {p['padded_rows'] / max(1, p['decode_passes']):.1f} "
-              f"padding each), {p['graph_replays']} graph replays, {p['graph_captures']} captures, "
+              f"({p['decoded_rows'] / steps:.1f} rows + {p['padded_rows'] / steps:.1f} padding each), "
+              f"{p['graph_replays']} graph replays, {p['graph_captures']} captures, "
               f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn")
 
 
@@ -197,7 +198,7 @@ def verdict(rows: list[dict]) -> dict:
     return result
 
 
-def main():
+def arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=["tiny", "qwen2.5-0.5b"], default="tiny",
                     help="tiny: a random 2-layer Qwen2 (CPU); qwen2.5-0.5b: Qwen2.5-0.5B's shape, random, bf16")
@@ -214,7 +215,11 @@ def main():
                     "intra-op threads waiting for a busy core slow the tiny model many times), torch's own on cuda")
     ap.add_argument("--tokenizer", default="offline:qwen2.5")
     ap.add_argument("--out", help="write the figures as JSON here")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    args = arguments()
     threads = args.threads or (1 if args.device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -227,7 +232,11 @@ def main():
     largest = max(args.batch)
     fast_path = {"auto": "auto", "on": True, "off": False}[args.fast_path]
     policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer), fast_path=fast_path)
-    print("command:", shlex.join([sys.executable, *sys.argv]))
+    header = dict(command=shlex.join([sys.executable, *sys.argv]), device=device, torch=torch.__version__,
+                  transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
+                  tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
+                  new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats)
+    print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} CPU thread(s)")
@@ -257,11 +266,7 @@ def main():
         print_row(rows[-1])
     asyncio.run(policy.close())
     driver.close()
-    report_end(rows, args, dict(command=shlex.join([sys.executable, *sys.argv]), device=device,
-                                torch=torch.__version__, transformers=transformers.__version__,
-                                threads=torch.get_num_threads(), model=shape, tokenizer=args.tokenizer,
-                                fast_path=policy.fast_path_reason, turns=TURNS, new_tokens=args.new_tokens,
-                                temperature=args.temperature, repeats=args.repeats))
+    report_end(rows, args, header)
 
 
 def report_end(rows: list[dict], args, header: dict) -> None:

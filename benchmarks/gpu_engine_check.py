@@ -209,6 +209,9 @@ def summary(result: dict) -> str:
     keys = ("share_identical", "logprob_max_abs_diff", "passed", "changed_share", "captures_after_in_place_change",
             "module_reallocations", "graphs_captured")
     text = ", ".join(f"{k} {result[k]}" for k in keys if k in result)
+    for key in ("in_place_vs_reference", "reassigned_vs_reference"):
+        if key in result:
+            text += f", {key} {result[key]['share_identical']} identical"
     for row in result.get("steps", []):
         text += (f"\n      batch {row['batch']:>3} length {row['length']:>4} {row['mode']:<8} "
                  f"{'graph' if row['graphs'] else 'eager'}: {row['ms_per_step']:8.3f} ms/step {row['tok_s']:>9,} tok/s")
