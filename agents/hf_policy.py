@@ -66,8 +66,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, RowSampling, SlotEngine, SlotTable, UnsupportedModel,
-                          decoder_layout, prefill_groups, sample_tokens, sampling_mode)
+from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, RowSampling, SlotEngine, SlotTable,
+                          UnsupportedModel, decoder_layout, prefill_groups, sample_tokens, sampling_mode)
 from .policy import Generation, GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
@@ -103,6 +103,10 @@ class _Request:
     generator: random.Random | None = None  #: the row's own uniform draws (seeded: reproducible samples)
     started: float | None = None
     cancelled: bool = False  #: set by the caller's task when it is cancelled; the worker then drops the row
+    mode: int = field(init=False)  #: index in SAMPLING_MODES of the `sample_tokens` mode the row needs (0: greedy)
+
+    def __post_init__(self):
+        self.mode = SAMPLING_MODES.index(sampling_mode([self.params]))
 
     def settle(self, outcome: str | BaseException) -> None:
         """Resolve the caller's future from the worker thread: a finish reason, or an exception to raise."""
@@ -521,15 +525,19 @@ class HFPolicy(Policy):
             self._engine.move(moves, filled=max(len(r.prompt) + len(r.ids) - 1 for s, r in held if s in moved))
             self.stats["compaction_moves"] += len(moves)
         bucket = self._slots.bucket()
-        uniforms, need = [0.0] * bucket, 0
-        for slot, r in held:
-            need = max(need, len(r.prompt) + len(r.ids))
-            if not r.params.greedy:
+        uniforms, need, mode = [0.0] * bucket, 0, 0
+        for slot, r in held:  # per step and row: keep it lean (it runs while the GPU waits)
+            attended = len(r.prompt) + len(r.ids)  # the filled positions and the token fed now
+            if attended > need:
+                need = attended
+            if r.mode:
                 uniforms[slot] = r.generator.random()
+                if r.mode > mode:
+                    mode = r.mode
         slots, rows = [slot for slot, _ in held], [r for _, r in held]
         try:
             with self._pass():
-                tokens, logprobs = self._engine.step(bucket, need, uniforms, sampling_mode([r.params for r in rows]))
+                tokens, logprobs = self._engine.step(bucket, need, uniforms, SAMPLING_MODES[mode])
             self.stats["decode_passes"] += 1
             self.stats["decoded_rows"] += len(rows)
             self.stats["padded_rows"] += bucket - len(rows)
