@@ -23,16 +23,16 @@ optimizer step the next token sees the new weights) through its own layer loop:
 * **Prefill** is eager: prompts right-padded into one tensor, causal attention (right padding keeps real tokens
   from seeing padding; the padding's own K/V land beyond each row's length, where they are masked and later
   overwritten), K/V written straight into the rows' slots, the LM head only at each row's last real position.
-* **Decode step** (`SlotEngine._decode`, one function, run eagerly or captured): the new token's K/V are
-  scattered at each row's own position; attention without expanding K/V — the query heads of one KV head are
-  laid out as that head's query positions ([B, kv_heads, group, head_dim]) and one SDPA call with a
-  [B, 1, 1, L] length mask serves them all; then sampling (below); then each live slot's next input token and
-  length advance on the device. On CUDA the step is captured per (batch bucket, length bucket, sampling mode)
-  into a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, all graphs sharing one memory pool) whose
-  inputs and outputs are the engine's persistent per-slot buffers. Optimizer steps and `copy_` update parameters
-  in place, so graphs see new weights; a module whose parameters were reallocated (``.to()``,
-  ``load_state_dict(assign=True)``) is detected by its parameters' addresses (`SlotEngine.check_module`) and the
-  graphs are captured again (checked before each prefill: weights change between generations).
+* **Decode step** (`SlotEngine._decode`, one function, run eagerly or captured): the new token's K/V are scattered
+  at each row's own position; attention without expanding K/V — the query heads of one KV head are laid out as that
+  head's query positions ([B, kv_heads, group, head_dim]) and one SDPA call with a [B, 1, 1, L] additive length mask
+  (built once per step) serves them all; then sampling (below); then each live slot's next input token and length
+  advance on the device. On CUDA the step is captured per (batch bucket, length bucket, sampling mode) into a
+  ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, all graphs sharing one memory pool) whose inputs and
+  outputs are the engine's persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so
+  graphs see new weights; a module whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``)
+  is detected by its parameters' addresses (`SlotEngine.check_module`) and the graphs are captured again (checked
+  before each prefill: weights change between generations).
 * **Sampling** (`sample_tokens`): for the whole batch at once on the device: ``log_softmax(logits / T)`` (T = 1
   for greedy rows, which take the argmax), then inverse-CDF sampling with one uniform number per row drawn on the
   host from the row's own ``random.Random`` — the same draws whatever the path, so a seed gives the same tokens
@@ -533,7 +533,8 @@ class SlotEngine:
         at = lengths.clamp(max=self.max_cache_len - 1)  # a stale free slot must never index past the cache
         x = lay.embed(tokens[:, None])
         cos, sin = lay.rotary(x, at[:, None])
-        visible = (torch.arange(length, device=x.device)[None, :] <= at[:, None])[:, None, None, :]
+        hidden = (torch.arange(length, device=x.device)[None, :] > at[:, None])[:, None, None, :]
+        mask = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device).masked_fill_(hidden, float("-inf"))
         index = at[:, None, None, None].expand(rows, lay.kv_heads, 1, lay.head_dim)
         for layer, keys, values in zip(lay.layers, s.keys, s.values):
             q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
@@ -541,7 +542,7 @@ class SlotEngine:
             values[:rows].scatter_(2, index, v)
             q = q.reshape(rows, lay.kv_heads, lay.groups, lay.head_dim)  # a KV head's query heads as its queries
             attn = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length],
-                                                  attn_mask=visible, scale=lay.scaling)
+                                                  attn_mask=mask, scale=lay.scaling)
             x = x + layer.self_attn.o_proj(attn.reshape(rows, 1, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         logits = lay.lm_head(lay.norm(x))[:, 0, :self.vocab_size].float()
