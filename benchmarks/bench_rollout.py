@@ -166,16 +166,20 @@ def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], args, st
                bookkeeping_s=figures["time/bookkeeping_s"], driver_vs_engine_runs=ratios, end_reasons=dict(ends),
                driver_passes=figures["driver_passes"], engine_passes=figures["engine_passes"])
     if args.hf_static:
-        run_hf_static(policy.model, figures["work"], args.temperature, args.pad_id)  # warm-up (and compilation)
-        wall, tokens = run_hf_static(policy.model, figures["work"], args.temperature, args.pad_id)
-        row.update(hf_static_tok_s=tokens / wall, hf_static_wall_s=wall, hf_static_tokens=tokens,
-                   engine_vs_hf_static=row["engine_tok_s"] * wall / tokens)
+        try:
+            run_hf_static(policy.model, figures["work"], args.temperature, args.pad_id)  # warm-up (and compilation)
+            wall, tokens = run_hf_static(policy.model, figures["work"], args.temperature, args.pad_id)
+        except Exception as e:  # e.g. out of memory at a large batch: keep the other figures
+            row.update(hf_static_error=f"{type(e).__name__}: {e}")
+        else:
+            row.update(hf_static_tok_s=tokens / wall, hf_static_wall_s=wall, hf_static_tokens=tokens,
+                       engine_vs_hf_static=row["engine_tok_s"] * wall / tokens)
     return row
 
 
 def print_row(row: dict) -> None:
     static = f"{row['hf_static_tok_s']:>14,.0f} {row['engine_vs_hf_static']:>7.2f}" if "hf_static_tok_s" in row \
-        else f"{'-':>14} {'-':>7}"
+        else f"{'error' if 'hf_static_error' in row else '-':>14} {'-':>7}"
     print(f"{row['batch']:>5} {row['generated_tokens']:>7} {row['driver_tok_s']:>12,.0f} {row['engine_tok_s']:>11,.0f} "
           f"{static} {row['driver_vs_engine']:>9.3f}   {row['generation_s']:>12.2f} {row['tools_s']:>8.3f} "
           f"{row['bookkeeping_s']:>13.3f}")
@@ -264,9 +268,15 @@ def main():
     for i, batch in enumerate(args.batch):
         rows.append(measure(driver, policy, tasks[:batch], args, step=1000 * i))
         print_row(rows[-1])
+        write(rows, args, header)  # after each size: a run cut short still leaves its figures
     asyncio.run(policy.close())
     driver.close()
     report_end(rows, args, header)
+
+
+def write(rows: list[dict], args, header: dict) -> None:
+    if args.out:
+        Path(args.out).write_text(json.dumps(header | dict(goals=verdict(rows), batches=rows), indent=2))
 
 
 def report_end(rows: list[dict], args, header: dict) -> None:
@@ -283,7 +293,7 @@ def report_end(rows: list[dict], args, header: dict) -> None:
             f"worst {v['worst']:.3f}x  {'PASS' if v['passed'] else 'FAIL'}"
         print(f"goal: {goal.replace('_vs_', ' >= ' + str(v['target']) + 'x ')} at every batch size: {state}")
     if args.out:
-        Path(args.out).write_text(json.dumps(header | dict(goals=goals, batches=rows), indent=2))
+        write(rows, args, header)
         print(f"wrote {args.out}")
 
 
