@@ -241,13 +241,15 @@ def main():
         print(f"{args.model} {dtype_name}:", flush=True)
         model = build(args.model, DTYPES[dtype_name], args.device)
         prompts = make_prompts(args.prompts, min(model.config.vocab_size, 151643))
-        report["checks"][dtype_name] = {
-            name: guarded(name, fn, model, prompts, args, dtype_name) for name, fn in CHECKS
-            if (not args.only or name in args.only) and not (name == "noise_floor" and dtype_name != "bf16")}
+        checks = report["checks"][dtype_name] = {}
+        for name, fn in CHECKS:
+            if (not args.only or name in args.only) and not (name == "noise_floor" and dtype_name != "bf16"):
+                checks[name] = guarded(name, fn, model, prompts, args, dtype_name)
+                Path(args.out).write_text(json.dumps(report, indent=2))  # a run cut short keeps what it measured
         del model
         if args.device == "cuda":
             torch.cuda.empty_cache()
-            report["checks"][dtype_name]["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+            checks["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
 
