@@ -162,9 +162,9 @@ class HFPolicy(Policy):
         vocab_limit: sample only ids below this (the tokenizer's size when the model's embedding is padded beyond
             it: padding rows are not tokens). Logprobs are then over those ids — the trainer must use the same
             limit (`trainers.modeling.PolicyModel` does).
-        fast_path: ``"auto"``: the fast path (`agents.fast_decode`) when the module is on CUDA and supported;
-            True: the fast path on any device (ValueError if the module is not supported); False: transformers'
-            forward. `fast_path_reason` says which was taken and why.
+        fast_path: ``"auto"``: the fast path (`agents.fast_decode`) when the module is on CUDA (here, now) and
+            supported; True: the fast path on any device (ValueError if the module is not supported); False:
+            transformers' forward. `fast_path_reason` says which was taken and why.
         cuda_graphs: on the fast path on CUDA, capture decode steps in CUDA graphs (else they run eagerly).
         max_cache_len: fast path only: tokens (prompt + generation) each of the `max_batch_size` KV slots holds;
             default `max_context_len` when given, else ``min(config.max_position_embeddings, 4096)``. The cache

@@ -23,7 +23,7 @@ from agents.fast_decode import (RowSampling, SlotEngine, SlotTable, batch_bucket
 from agents.hf_policy import HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
-from .test_policy_hf import DEVICE, VOCAB, greedy_by_hand, run, tiny_model
+from .test_policy_hf import DEVICE, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
 FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda")
 TRANSFORMERS = dict(fast_path=False)
@@ -42,16 +42,6 @@ def build(arch: str, seed: int = 0, **overrides):
     else:
         model = LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=1, **overrides))
     return model.to(DEVICE).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_cpu_thread():
-    """Tiny matmuls on a small shared CPU run many times faster on one intra-op thread than on threads that wait
-    for busy cores (this file's property test runs hundreds of prefills)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])

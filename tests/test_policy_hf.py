@@ -28,6 +28,16 @@ def tiny_model(seed: int = 0, vocab: int = VOCAB) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).to(DEVICE).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Tiny matmuls on a small shared CPU run many times faster on one intra-op thread than on threads that wait
+    for busy cores (tests/test_fast_decode.py imports this fixture too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
