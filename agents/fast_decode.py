@@ -23,16 +23,19 @@ optimizer step the next token sees the new weights) through its own layer loop:
 * **Prefill** is eager: prompts right-padded into one tensor, causal attention (right padding keeps real tokens
   from seeing padding; the padding's own K/V land beyond each row's length, where they are masked and later
   overwritten), K/V written straight into the rows' slots, the LM head only at each row's last real position.
-* **Decode step** (`SlotEngine._decode`, one function, run eagerly or captured): the new token's K/V are scattered
-  at each row's own position; attention without expanding K/V — the query heads of one KV head are laid out as that
-  head's query positions ([B, kv_heads, group, head_dim]) and one SDPA call with a [B, 1, 1, L] additive length mask
-  (built once per step) serves them all; then sampling (below); then each live slot's next input token and length
-  advance on the device. On CUDA the step is captured per (batch bucket, length bucket, sampling mode) into a
-  ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, all graphs sharing one memory pool) whose inputs and
-  outputs are the engine's persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so
-  graphs see new weights; a module whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``)
-  is detected by its parameters' addresses (`SlotEngine.check_module`) and the graphs are captured again (checked
-  before each prefill: weights change between generations).
+* **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_and_sample`; run eagerly
+  or captured): the new token's K/V are written in place at each row's own position; attention without expanding
+  K/V — the query heads of one KV head are laid out as that head's query positions ([B, kv_heads, group,
+  head_dim]) and one SDPA call with a [B, 1, 1, L] additive length mask (built once per step) serves them all; then
+  sampling (below); then each live slot's next input token and length advance on the device. On CUDA the three
+  functions are compiled by Inductor (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one
+  compilation for all layers and buckets; eager where compilation fails) and the step is captured per (batch
+  bucket, length bucket, sampling mode) into a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, where
+  compilation happens; all graphs sharing one memory pool) whose inputs and outputs are the engine's persistent
+  per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a module
+  whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
+  addresses (`SlotEngine.check_module`) and the graphs are captured again (checked before each prefill: weights
+  change between generations). A step that cannot be captured runs eagerly (`SlotEngine.capture_failure`).
 * **Sampling** (`sample_tokens`): for the whole batch at once on the device: ``log_softmax(logits / T)`` (T = 1
   for greedy rows, which take the argmax), then inverse-CDF sampling with one uniform number per row drawn on the
   host from the row's own ``random.Random`` — the same draws whatever the path, so a seed gives the same tokens
@@ -40,9 +43,10 @@ optimizer step the next token sees the new weights) through its own layer loop:
   mode (used when some row asks for it) sorts, to find each row's kept set; the CDF always runs in vocabulary
   order (near-ties that two computations sort differently would otherwise swap tokens).
 
-Per step the host only sends the sampled rows' uniform numbers (one copy from pinned memory) and reads back each
-slot's token and logprob (one copy); tokens, lengths and sampling parameters stay on the device, set when a row
-is prefilled or moved. A pass that fails (an exception, NaN logits) frees its rows' slots and zeroes their KV, so
+Per step the host only sends the sampled rows' uniform numbers (one small copy; none for an all-greedy step) and
+reads back each slot's token and logprob (one copy); tokens, lengths and sampling parameters stay on the device,
+set when a row is prefilled or moved. No pinned host memory: freeing it records CUDA events, which must not
+happen during a capture or after the CUDA runtime is gone at exit. A pass that fails (an exception, NaN logits) frees its rows' slots and zeroes their KV, so
 that no non-finite value is left where a later row's mask hides it.
 
 Choices worth knowing: not transformers' ``StaticCache`` (one length for the whole batch, no slot to join or
@@ -55,6 +59,7 @@ never expands them; an all-greedy batch uses a ``"greedy"`` graph that skips the
 from __future__ import annotations
 
 import contextlib
+import gc
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -65,6 +70,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .compiling import COMPILE_COUNTS, compiled
 from .policy import GenerationError, SamplingParams
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -227,6 +233,62 @@ def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> 
     return probs * torch.empty_like(keep).scatter_(1, order, keep)
 
 
+# --------------------------------------------------------------------------------------------- the decode step
+# Module-level functions of tensors and the module's own submodules: run eagerly, or compiled once per process for
+# every layer, bucket and engine (`agents.compiling`); a CUDA graph captures either.
+def attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope: Callable,
+                     qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys (RoPE applied) and values, [rows, heads, time, head_dim], as the module's attention does."""
+    shape = (*h.shape[:-1], -1, attn.head_dim)
+    q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, attn.v_proj(h).view(shape).transpose(1, 2)
+
+
+def step_inputs(embed: nn.Module, rotary: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor, length: int):
+    """A decode step's inputs: embeddings [rows, 1, hidden] of each row's next token, RoPE cos/sin at its position,
+    the positions (within the `length` attended, even for a stale free slot) and the additive length mask
+    [rows, 1, 1, length] (built once per step, used by every layer)."""
+    at = lengths.clamp(max=length - 1)
+    x = embed(tokens[:, None])
+    cos, sin = rotary(x, at[:, None])
+    hidden = (torch.arange(length, device=x.device)[None, :] > at[:, None])[:, None, None, :]
+    mask = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device).masked_fill_(hidden, float("-inf"))
+    return x, cos, sin, at, mask
+
+
+def decode_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: torch.Tensor,
+                 mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, apply_rope: Callable,
+                 qk_norm: bool) -> torch.Tensor:
+    """One decoder layer for one token per row (slots [0, rows)): its K/V written at each row's position `at` in
+    the layer's cache, attention over the first ``mask.shape[-1]`` positions without expanding K/V (a KV head's
+    query heads laid out as that head's queries, [rows, kv_heads, groups, head_dim]), then the MLP."""
+    attn, rows, length = layer.self_attn, x.shape[0], mask.shape[-1]
+    q, k, v = attention_inputs(attn, layer.input_layernorm(x), cos, sin, apply_rope, qk_norm)
+    kv_heads = k.shape[1]
+    slot, head = torch.arange(rows, device=x.device)[:, None], torch.arange(kv_heads, device=x.device)[None, :]
+    keys.index_put_((slot, head, at[:, None]), k[:, :, 0])  # in place on the whole cache: no copy when compiled
+    values.index_put_((slot, head, at[:, None]), v[:, :, 0])
+    q = q.reshape(rows, kv_heads, -1, q.shape[-1])
+    out = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length], attn_mask=mask,
+                                         scale=attn.scaling)
+    x = x + attn.o_proj(out.reshape(rows, 1, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def head_and_sample(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, vocab: int, temperature: torch.Tensor,
+                    uniform: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final norm, the LM head over the first `vocab` ids (float32) and `sample_tokens`."""
+    logits = lm_head(norm(x))[:, 0, :vocab].float()
+    return sample_tokens(logits, temperature, uniform, top_k, top_p, mode)
+
+
+STEP_FUNCTIONS = (step_inputs, decode_layer, head_and_sample)
+
+
 # --------------------------------------------------------------------------------------------- slot bookkeeping
 def batch_buckets(max_slots: int) -> list[int]:
     """Decode batch sizes with a graph each: powers of two to 32, multiples of 32 to 256, then of 64, and
@@ -322,7 +384,10 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------- the engine
 @dataclass
 class _SlotState:
-    """Device tensors, one entry per slot (the KV cache per layer and the decode step's inputs and outputs)."""
+    """Device tensors, one entry per slot (the KV cache per layer and the decode step's inputs and outputs).
+
+    The per-slot buffers have one spare entry past the last slot, never a row's: a step's views of them (the first
+    `rows` entries) then never span a whole buffer, which dynamo would compile as a case of its own."""
 
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
@@ -334,7 +399,6 @@ class _SlotState:
     top_p: torch.Tensor
     uniform: torch.Tensor  #: this step's uniform number per slot
     out: torch.Tensor  #: float64 [2, slots]: sampled token, its logprob
-    uniform_host: torch.Tensor  #: pinned staging for `uniform` (one host-to-device copy per step)
     per_slot: tuple[torch.Tensor, ...] = field(init=False)
 
     def __post_init__(self):
@@ -345,12 +409,13 @@ class SlotEngine:
     """The slot KV cache, prefill, and the (graph-captured) decode step for one module; see the module docstring.
 
     Slots are indices in [0, max_slots); the caller (HFPolicy with a `SlotTable`) decides which rows hold them.
-    `stats` is the caller's counter dict: this adds ``graph_captures``, ``graph_replays`` and
-    ``module_reallocations``.
+    `compile`: run the decode step's functions compiled by Inductor (`agents.compiling`). `stats` is the caller's
+    counter dict: this adds ``graph_captures``, ``graph_replays``, ``module_reallocations``, ``compilations`` and
+    ``compile_s`` (those this engine's steps triggered), ``capture_failures``.
     """
 
     def __init__(self, model: nn.Module, layout: DecoderLayout, *, max_slots: int, max_cache_len: int,
-                 vocab_size: int, cuda_graphs: bool = True, length_step: int = 256,
+                 vocab_size: int, cuda_graphs: bool = True, compile: bool = False, length_step: int = 256,
                  stats: dict[str, int] | None = None):
         if max_slots < 1 or max_cache_len < 2 or length_step < 1:
             raise ValueError(f"need max_slots >= 1, max_cache_len >= 2, length_step >= 1; got {max_slots}, "
@@ -359,8 +424,11 @@ class SlotEngine:
         self.max_slots, self.max_cache_len, self.vocab_size = max_slots, max_cache_len, vocab_size
         self.cuda_graphs, self.length_step = cuda_graphs, length_step
         self.stats = stats if stats is not None else {}
-        for key in ("graph_captures", "graph_replays", "module_reallocations"):
+        for key in ("graph_captures", "graph_replays", "module_reallocations", "compilations", "compile_s",
+                    "capture_failures"):
             self.stats.setdefault(key, 0)
+        self._step_functions = tuple(compiled(fn) for fn in STEP_FUNCTIONS) if compile else STEP_FUNCTIONS
+        self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
         self._state: _SlotState | None = None
         self._graphs: dict[tuple[int, int, str], Any] = {}
         self._pool: Any = None
@@ -397,6 +465,7 @@ class SlotEngine:
             raise GenerationError(f"the fast path's KV cache ({self.cache_bytes() / 2**30:.1f} GiB for {n} slots x "
                                   f"{self.max_cache_len} tokens) does not fit: lower max_batch_size or "
                                   f"max_cache_len") from e
+        n += 1  # the spare entry (see _SlotState)
         self._state = _SlotState(
             keys, values, tokens=torch.zeros(n, dtype=torch.long, device=device),
             lengths=torch.zeros(n, dtype=torch.long, device=device),
@@ -405,8 +474,7 @@ class SlotEngine:
             top_k=torch.full((n,), self.vocab_size, dtype=torch.long, device=device),
             top_p=torch.full((n,), float("inf"), dtype=torch.float32, device=device),
             uniform=torch.zeros(n, dtype=cdf_dtype(device), device=device),
-            out=torch.zeros(2, n, dtype=torch.float64, device=device),
-            uniform_host=torch.zeros(n, dtype=cdf_dtype(device), pin_memory=device.type == "cuda"))
+            out=torch.zeros(2, n, dtype=torch.float64, device=device))
 
     def release(self) -> None:
         """Drop the KV cache, buffers and graphs (they come back on the next prefill, or `allocate`)."""
@@ -464,7 +532,7 @@ class SlotEngine:
 
     def slot_lengths(self) -> list[int]:
         """Filled cache positions per slot (reads the device)."""
-        return self._state.lengths.tolist() if self._state is not None else [0] * self.max_slots
+        return self._state.lengths[:self.max_slots].tolist() if self._state is not None else [0] * self.max_slots
 
     def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s K and V caches [slots, kv_heads, max_cache_len, head_dim] (for inspection)."""
@@ -494,7 +562,8 @@ class SlotEngine:
         x = lay.embed(ids)
         cos, sin = lay.rotary(x, torch.arange(width, device=device)[None, :].expand(n, width))
         for layer, keys, values in zip(lay.layers, s.keys, s.values):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
+            q, k, v = attention_inputs(layer.self_attn, layer.input_layernorm(x), cos, sin, lay.apply_rope,
+                                       lay.qk_norm)
             keys[:, :, :width].index_copy_(0, index, k)
             values[:, :, :width].index_copy_(0, index, v)
             k, v = k.repeat_interleave(lay.groups, dim=1), v.repeat_interleave(lay.groups, dim=1)
@@ -510,70 +579,75 @@ class SlotEngine:
             buffer.index_copy_(0, index, value)
         return tokens.tolist(), logprobs.tolist()
 
-    def step(self, rows: int, need: int, uniforms: Sequence[float], mode: str) -> tuple[list[int], list[float]]:
+    @property
+    def compile_reason(self) -> str:
+        """Whether the decode step runs compiled, and why not where it does not."""
+        if self._step_functions is STEP_FUNCTIONS:
+            return "off: eager decode step"
+        failures = [fn.failure for fn in self._step_functions if fn.failure]
+        if not failures:
+            return "on: decode step compiled by Inductor"
+        return f"{'off' if len(failures) == len(STEP_FUNCTIONS) else 'partly off'}: {'; '.join(failures)}"
+
+    def step(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> tuple[list, list]:
         """One decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding): each
         live slot feeds its next token and samples one. `need`: the most cache positions a live row attends to
-        (its filled length + 1); `uniforms`: one per slot. Returns the token and logprob of every slot."""
+        (its filled length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn). Returns the
+        token and logprob of every slot."""
         s = self._state
         length = self.length_bucket(need)
-        s.uniform_host.numpy()[:rows] = uniforms
         with _on_device(s.live.device):
-            s.uniform[:rows].copy_(s.uniform_host[:rows], non_blocking=True)
-            if self.cuda_graphs and s.live.device.type == "cuda":
+            if uniforms is not None:  # a plain (synchronous) copy: the device is idle between steps anyway
+                s.uniform[:rows].copy_(torch.tensor(uniforms, dtype=s.uniform.dtype))
+            if self.cuda_graphs and s.live.device.type == "cuda" and self.capture_failure is None:
                 self._replay((rows, length, mode))
             else:
-                self._decode(rows, length, mode)
+                self._run_decode(rows, length, mode)
             out = s.out[:, :rows].cpu()
         return out[0].long().tolist(), out[1].tolist()
+
+    def _run_decode(self, rows: int, length: int, mode: str) -> None:
+        """`_decode` outside a capture, adding the compilations it triggers to `stats`."""
+        before = dict(COMPILE_COUNTS)
+        try:
+            self._decode(rows, length, mode)
+        finally:
+            self.stats["compilations"] += COMPILE_COUNTS["compilations"] - before["compilations"]
+            self.stats["compile_s"] += COMPILE_COUNTS["compile_s"] - before["compile_s"]
 
     def _decode(self, rows: int, length: int, mode: str) -> None:
         """The decode step over slots [0, rows) attending to `length` positions: what a CUDA graph captures."""
         s, lay = self._state, self.layout
+        inputs, layer_step, head = self._step_functions
         tokens, lengths, live = s.tokens[:rows], s.lengths[:rows], s.live[:rows]
-        at = lengths.clamp(max=self.max_cache_len - 1)  # a stale free slot must never index past the cache
-        x = lay.embed(tokens[:, None])
-        cos, sin = lay.rotary(x, at[:, None])
-        hidden = (torch.arange(length, device=x.device)[None, :] > at[:, None])[:, None, None, :]
-        mask = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device).masked_fill_(hidden, float("-inf"))
-        index = at[:, None, None, None].expand(rows, lay.kv_heads, 1, lay.head_dim)
+        x, cos, sin, at, mask = inputs(lay.embed, lay.rotary, tokens, lengths, length)
         for layer, keys, values in zip(lay.layers, s.keys, s.values):
-            q, k, v = self._qkv(layer.self_attn, layer.input_layernorm(x), cos, sin)
-            keys[:rows].scatter_(2, index, k)
-            values[:rows].scatter_(2, index, v)
-            q = q.reshape(rows, lay.kv_heads, lay.groups, lay.head_dim)  # a KV head's query heads as its queries
-            attn = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length],
-                                                  attn_mask=mask, scale=lay.scaling)
-            x = x + layer.self_attn.o_proj(attn.reshape(rows, 1, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = lay.lm_head(lay.norm(x))[:, 0, :self.vocab_size].float()
-        token, logprob = sample_tokens(logits, s.temperature[:rows], s.uniform[:rows], s.top_k[:rows],
-                                       s.top_p[:rows], mode)
+            x = layer_step(layer, x, cos, sin, at, mask, keys, values, lay.apply_rope, lay.qk_norm)
+        token, logprob = head(lay.norm, lay.lm_head, x, self.vocab_size, s.temperature[:rows], s.uniform[:rows],
+                              s.top_k[:rows], s.top_p[:rows], mode)
         s.out[0, :rows] = token
         s.out[1, :rows] = logprob
         tokens.copy_(torch.where(live, token, tokens))
         lengths.add_(live)
 
-    def _qkv(self, attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries, keys (RoPE applied) and values, [rows, heads, time, head_dim], as the module's attention does."""
-        lay = self.layout
-        shape = (*h.shape[:-1], -1, lay.head_dim)
-        q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
-        if lay.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = lay.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, attn.v_proj(h).view(shape).transpose(1, 2)
-
     # ------------------------------------------------------------------------------------- CUDA graphs
     def _replay(self, key: tuple[int, int, str]) -> None:
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(key)
+            self._warm_up(key)  # an error here is the step's own: it propagates
+            try:
+                graph = self._capture(key)
+            except Exception as e:  # the step runs eagerly but cannot be captured: run every step eagerly
+                self.capture_failure = f"{type(e).__name__}: {str(e).strip()[:300]}"
+                self.stats["capture_failures"] += 1
+                self._run_decode(*key)
+                return
         graph.replay()
         self.stats["graph_replays"] += 1
 
-    def _capture(self, key: tuple[int, int, str]):
-        """Warm `_decode` up on a side stream (restoring the slots' tokens and lengths it advanced), then capture
-        it. The captured step reads and writes only the persistent slot buffers."""
+    def _warm_up(self, key: tuple[int, int, str]) -> None:
+        """Run the step eagerly on the side stream (cuBLAS handles and workspaces get created; a compiled step
+        compiles and autotunes here, never during capture), then restore the tokens and lengths it advanced."""
         s = self._state
         device = s.live.device
         if self._side_stream is None:
@@ -585,13 +659,21 @@ class SlotEngine:
         try:
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_STEPS):
-                    self._decode(*key)
+                    self._run_decode(*key)
         finally:  # also after an error: later work on the current stream must not overtake the warm-up
             torch.cuda.current_stream(device).wait_stream(side)
             s.tokens.copy_(saved[0])
             s.lengths.copy_(saved[1])
+
+    def _capture(self, key: tuple[int, int, str]):
+        """Capture the warmed-up step. The captured step reads and writes only the persistent slot buffers.
+
+        The capture is ``thread_local``: other threads may use CUDA meanwhile (HFPolicy's callers, a trainer). The
+        garbage collector is paused during it: a collection on this thread could free tensors whose release
+        records CUDA events (pinned host memory used by asynchronous copies), which a capture forbids."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=side, capture_error_mode="thread_local"):
+        with _gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
+                                            capture_error_mode="thread_local"):
             self._decode(*key)
         self._graphs[key] = graph
         self.stats["graph_captures"] += 1
@@ -610,6 +692,17 @@ def _kv_dtype(layout: DecoderLayout) -> torch.dtype:
 def _module_key(model: nn.Module, layout: DecoderLayout) -> tuple:
     addresses = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     return _module_device(model), _kv_dtype(layout), addresses
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _on_device(device: torch.device):

@@ -6,7 +6,8 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
 
 * A background thread owns the forward passes. `generate` puts a request on a thread-safe queue and awaits a
   future, so the asyncio event loop never blocks on the model.
-* When idle, the worker takes the first request and gathers more for `gather_window_s` (or until `max_batch_size`).
+* When idle, the worker takes the first request and gathers more until none arrived for `gather_window_s` (at
+  most 25 windows, or until `max_batch_size`): requests that trickle in share one prefill.
 * **Prefill** builds each new row's KV cache and samples its first token; **decode** steps then produce one token
   per row and step. Each row samples with its own `SamplingParams` and its own seeded ``random.Random``, whose
   uniform numbers drive inverse-CDF sampling on the device for the whole batch at once
@@ -71,6 +72,8 @@ from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES,
 from .policy import Generation, GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
+#: longest gathering of requests that keep arriving (each within `gather_window_s` of the last), in windows
+GATHER_CAP_WINDOWS = 25
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any, error: BaseException | None):
@@ -153,7 +156,8 @@ class HFPolicy(Policy):
     Args:
         model: the module to run; shared, not copied. Device and dtype follow it (also if it is moved later).
         max_batch_size: most rows decoded together; further requests wait.
-        gather_window_s: when idle, how long to wait for more requests after the first before starting a batch.
+        gather_window_s: when idle, gather requests until none arrived for this long (see above) before starting
+            a batch.
         max_context_len: prompt + generation limit; defaults to ``config.max_position_embeddings`` (and to
             `max_cache_len` on the fast path). Generation that reaches it ends with ``"length"``; longer prompts
             are rejected.
@@ -166,6 +170,10 @@ class HFPolicy(Policy):
             supported; True: the fast path on any device (ValueError if the module is not supported); False:
             transformers' forward. `fast_path_reason` says which was taken and why.
         cuda_graphs: on the fast path on CUDA, capture decode steps in CUDA graphs (else they run eagerly).
+        compile: on the fast path, compile the decode step with Inductor (`agents.compiling`: fused kernels, one
+            compilation for all layers and buckets): ``"auto"`` on CUDA only, True also on CPU (Inductor then
+            needs a C++ compiler), False never. A compilation that fails leaves that part eager; `compile_reason`
+            says which.
         max_cache_len: fast path only: tokens (prompt + generation) each of the `max_batch_size` KV slots holds;
             default `max_context_len` when given, else ``min(config.max_position_embeddings, 4096)``. The cache
             takes ``2 x layers x max_batch_size x kv_heads x max_cache_len x head_dim`` elements.
@@ -183,6 +191,7 @@ class HFPolicy(Policy):
         vocab_limit: int | None = None,
         fast_path: bool | str = "auto",
         cuda_graphs: bool = True,
+        compile: bool | str = "auto",
         max_cache_len: int | None = None,
     ):
         if not isinstance(model, nn.Module):
@@ -212,9 +221,10 @@ class HFPolicy(Policy):
         #: (padded_rows), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays).
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
                                       "separate_batches": 0, "padded_rows": 0, "compaction_moves": 0,
-                                      "graph_captures": 0, "graph_replays": 0, "module_reallocations": 0}
+                                      "graph_captures": 0, "graph_replays": 0, "module_reallocations": 0,
+                                      "compilations": 0, "compile_s": 0.0, "capture_failures": 0}
         cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
-        self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, cache_len)
+        self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)
         self.fast_path = self._engine is not None
         if self._engine is not None:
             self.max_context_len = min(self.max_context_len, self._engine.max_cache_len)
@@ -234,10 +244,11 @@ class HFPolicy(Policy):
         self._thread = threading.Thread(target=self._work, name="HFPolicy-worker", daemon=True)
         self._thread.start()
 
-    def _fast_engine(self, fast_path: bool | str, cuda_graphs: bool, max_cache_len: int):
+    def _fast_engine(self, fast_path: bool | str, cuda_graphs: bool, compile: bool | str, max_cache_len: int):
         """The fast path's engine (or None) and why it was (not) taken."""
-        if fast_path not in (True, False, "auto"):
-            raise ValueError(f"fast_path must be True, False or 'auto', got {fast_path!r}")
+        for name, value in (("fast_path", fast_path), ("compile", compile)):
+            if value not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
         if not isinstance(max_cache_len, int) or max_cache_len < 2:
             raise ValueError(f"max_cache_len must be an integer >= 2, got {max_cache_len!r}")
         if fast_path is False:
@@ -251,10 +262,13 @@ class HFPolicy(Policy):
         device = _device(self.model)
         if fast_path == "auto" and device.type != "cuda":
             return None, f"off: the module is on {device.type} (fast_path='auto' takes it on CUDA only)"
+        compile_step = compile is True or (compile == "auto" and device.type == "cuda")
         engine = SlotEngine(self.model, layout, max_slots=self.max_batch_size, max_cache_len=max_cache_len,
-                            vocab_size=self.vocab_size, cuda_graphs=cuda_graphs, stats=self.stats)
+                            vocab_size=self.vocab_size, cuda_graphs=cuda_graphs, compile=compile_step,
+                            stats=self.stats)
         graphs = cuda_graphs and device.type == "cuda"
-        return engine, f"on: {max_cache_len}-token KV slots, decode steps {'in CUDA graphs' if graphs else 'eager'}"
+        return engine, (f"on: {max_cache_len}-token KV slots, decode steps {'compiled' if compile_step else 'eager'}"
+                        f"{' in CUDA graphs' if graphs else ''}")
 
     # ----------------------------------------------------------------------------------------- public API
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> Generation:
@@ -319,6 +333,14 @@ class HFPolicy(Policy):
     async def resume_memory(self) -> None:
         """Allocate the fast path's KV cache now rather than at the next generation."""
         await self._in_worker(self._engine.allocate if self._engine is not None else lambda: None)
+
+    @property
+    def compile_reason(self) -> str:
+        """Whether the fast path's decode step runs compiled and captured, and why not where it does not."""
+        if self._engine is None:
+            return "off: the transformers path"
+        graphs = f"; CUDA graphs off: {self._engine.capture_failure}" if self._engine.capture_failure else ""
+        return self._engine.compile_reason + graphs
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -388,17 +410,32 @@ class HFPolicy(Policy):
         """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do. True
         when close() asks to stop."""
         if not self._busy():
-            if self._accept(self._queue.get()):
+            if self._accept(self._queue.get()) or (self._waiting and self._gather()):
                 return True
-            deadline = time.perf_counter() + self.gather_window_s
-            while (self._waiting and len(self._waiting) < self.max_batch_size
-                   and (timeout := deadline - time.perf_counter()) > 0):
-                try:
-                    item = self._queue.get(timeout=timeout)
-                except queue.Empty:
-                    break
-                if self._accept(item):
-                    return True
+        return self._drain()
+
+    def _gather(self) -> bool:
+        """With the worker idle and a first request waiting: take more until none arrived for `gather_window_s`,
+        the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns
+        ended together, processed one after another by the caller) then share one prefill. The window is a real
+        wait on the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
+        deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
+        while len(self._waiting) < self.max_batch_size:
+            if self._drain():
+                return True
+            timeout = min(self.gather_window_s, deadline - time.perf_counter())
+            if len(self._waiting) >= self.max_batch_size or timeout <= 0:
+                return False
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return False
+            if self._accept(item):
+                return True
+        return False
+
+    def _drain(self) -> bool:
+        """Take everything queued now, without waiting. True when close() asks to stop."""
         while True:
             try:
                 item = self._queue.get_nowait()
@@ -525,12 +562,14 @@ class HFPolicy(Policy):
             self._engine.move(moves, filled=max(len(r.prompt) + len(r.ids) - 1 for s, r in held if s in moved))
             self.stats["compaction_moves"] += len(moves)
         bucket = self._slots.bucket()
-        uniforms, need, mode = [0.0] * bucket, 0, 0
+        uniforms, need, mode = None, 0, 0  # uniforms: None while every row is greedy (nothing to draw or send)
         for slot, r in held:  # per step and row: keep it lean (it runs while the GPU waits)
             attended = len(r.prompt) + len(r.ids)  # the filled positions and the token fed now
             if attended > need:
                 need = attended
             if r.mode:
+                if uniforms is None:
+                    uniforms = [0.0] * bucket
                 uniforms[slot] = r.generator.random()
                 if r.mode > mode:
                     mode = r.mode

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 
 import pytest
 import torch
@@ -18,10 +19,11 @@ from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from agents.fast_decode import (RowSampling, SlotEngine, SlotTable, batch_buckets, bucket_for, decoder_layout,
-                                prefill_groups, sample_tokens)
+from agents import compiling
+from agents.fast_decode import (STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable, batch_buckets, bucket_for,
+                                decoder_layout, prefill_groups, sample_tokens)
 from agents.hf_policy import HFPolicy
-from agents.policy import GenerationError, PolicyError, SamplingParams
+from agents.policy import Generation, GenerationError, PolicyError, SamplingParams
 
 from .test_policy_hf import DEVICE, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
@@ -36,11 +38,11 @@ def build(arch: str, seed: int = 0, **overrides):
     """A tiny random model of `arch` (Qwen3: q/k norms; Llama: 4 query heads per KV head)."""
     torch.manual_seed(seed)
     if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_key_value_heads=2, **overrides))
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE | dict(num_key_value_heads=2) | overrides))
     elif arch == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE, num_key_value_heads=2, head_dim=16, **overrides))
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE | dict(num_key_value_heads=2, head_dim=16) | overrides))
     else:
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE, num_key_value_heads=1, **overrides))
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE | dict(num_key_value_heads=1) | overrides))
     return model.to(DEVICE).eval()
 
 
@@ -184,6 +186,40 @@ def test_stats_count_the_passes_the_model_runs(model):
     assert calls[0] == stats["prefill_passes"] + stats["decode_passes"] > len(PROMPTS)
 
 
+def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone(model):
+    """300 requests in three waves onto 256 slots (a GPU run crashed at this size): prompts of 1-60 tokens, 1-40
+    new tokens, greedy and seeded rows, stop tokens, cancellations, the third wave waiting for free slots, slots
+    compacted as rows leave. Every row gets the tokens the transformers path gives it; every slot ends free."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(300)]
+    params = [SamplingParams(temperature=0 if i % 4 == 0 else 1.0, max_new_tokens=rng.randint(1, 40), seed=i,
+                             stop_token_ids=(5,) if i % 3 == 0 else ()) for i in range(300)]
+    doomed = set(range(7, 300, 23))
+
+    async def main(**path):
+        async with HFPolicy(model, max_batch_size=256, max_cache_len=128, **path) as policy:
+            tasks = []
+            for wave in range(0, 300, 100):
+                tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in
+                          zip(prompts[wave:wave + 100], params[wave:wave + 100])]
+                passes = policy.stats["decode_passes"]
+                while policy.stats["decode_passes"] < passes + 3:
+                    await asyncio.sleep(0.001)
+                for i in doomed & set(range(wave, wave + 100)):
+                    tasks[i].cancel()
+            gens = await asyncio.gather(*tasks, return_exceptions=True)
+            lengths = await policy._in_worker(lambda: policy._engine.slot_lengths()) if policy.fast_path else []
+            return gens, dict(policy.stats), lengths
+
+    fast, stats, lengths = run(main(**FAST), timeout=300)
+    reference, _, _ = run(main(**TRANSFORMERS), timeout=300)
+    finished = [i for i in range(300) if i not in doomed]
+    assert_same([fast[i] for i in finished], [reference[i] for i in finished])
+    assert all(isinstance(fast[i], (asyncio.CancelledError, Generation)) for i in doomed)
+    assert stats["compaction_moves"] > 0 and stats["prefill_passes"] >= 4 and stats["padded_rows"] > 0
+    assert lengths == [0] * 256
+
+
 # ------------------------------------------------------------------------------------------------- memory, limits
 def test_release_and_resume_memory(model):
     layout = decoder_layout(model)
@@ -248,6 +284,70 @@ def test_reallocated_parameters_are_noticed(change):
     assert counts == [0, 1]
     assert mid.ids != before.ids
     assert after.ids == greedy_by_hand(model, PROMPTS[0], 12)
+
+
+# ------------------------------------------------------------------------------------------------- compiled step
+@pytest.fixture
+def fresh_compilations(monkeypatch):
+    """Dynamo's caches emptied (compiled code is shared by the whole process) and a registry of compiled functions
+    of the test's own (a failed compilation must not leave later tests' steps eager)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiling, "_COMPILED", {})
+    yield
+    torch._dynamo.reset()
+
+
+def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEngine]:
+    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48."""
+    engine = SlotEngine(model, decoder_layout(model), max_slots=4, max_cache_len=96, vocab_size=VOCAB,
+                        cuda_graphs=False, compile=compile, length_step=16)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    rng = random.Random(0)
+    with torch.no_grad():
+        out = [engine.prefill([0, 1, 2, 3], [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]],
+                              RowSampling.draw(params, [random.Random(i) for i in range(4)], VOCAB))]
+        for step in range(24):
+            rows = 4 if step < 12 else 2
+            need = max(engine.slot_lengths()[:rows]) + 1
+            out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
+    return out, engine
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
+        fresh_compilations):
+    model = build("qwen3", num_hidden_layers=4)
+    eager, _ = engine_steps(model, compile=False)
+    compiled, engine = engine_steps(model, compile=True)
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(compiled, eager, strict=True):
+        assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+    # one per step function: not one per layer (4), batch bucket (2) or length bucket (3)
+    assert engine.stats["compilations"] == len(STEP_FUNCTIONS) and engine.compile_reason.startswith("on:")
+    _, again = engine_steps(model, compile=True)
+    assert again.stats["compilations"] == 0  # another engine reuses the compiled code
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+def test_a_policy_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
+    params = MIXES["mixed"]
+    fast, stats = run(generate_together(arch_model, PROMPTS, params, fast_path=True, compile=True), timeout=600)
+    reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
+    assert_same(fast, reference)
+    assert stats["compilations"] >= len(STEP_FUNCTIONS)
+
+
+def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilations):
+    """No working C++ compiler for Inductor on CPU (a fresh cache: nothing compiled earlier is reused)."""
+    from torch._inductor import config
+    from torch._inductor.utils import fresh_cache
+
+    model = build("qwen2").cpu()
+    eager, _ = engine_steps(model, compile=False, modes=("greedy", "sample"))
+    with fresh_cache(), config.patch({"compile_threads": 1, "cpp.cxx": ("/nonexistent/c++",)}):
+        fallback, engine = engine_steps(model, compile=True, modes=("greedy", "sample"))
+    assert fallback == eager
+    assert engine.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in engine.compile_reason
+    assert engine.stats["compilations"] == 0
 
 
 # ------------------------------------------------------------------------------------------------- fallbacks
