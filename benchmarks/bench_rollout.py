@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import shlex
 import sys
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -178,6 +180,9 @@ def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], args, st
 
 
 def print_row(row: dict) -> None:
+    if "error" in row:
+        print(f"{row['batch']:>5} ERROR {row['error']}")
+        return
     static = f"{row['hf_static_tok_s']:>14,.0f} {row['engine_vs_hf_static']:>7.2f}" if "hf_static_tok_s" in row \
         else f"{'error' if 'hf_static_error' in row else '-':>14} {'-':>7}"
     print(f"{row['batch']:>5} {row['generated_tokens']:>7} {row['driver_tok_s']:>12,.0f} {row['engine_tok_s']:>11,.0f} "
@@ -189,16 +194,18 @@ def print_row(row: dict) -> None:
         print(f"      {name:<6} passes: {p['prefill_passes']} prefill, {p['decode_passes']} decode "
               f"({p['decoded_rows'] / steps:.1f} rows + {p['padded_rows'] / steps:.1f} padding each), "
               f"{p['graph_replays']} graph replays, {p['graph_captures']} captures, "
-              f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn")
+              f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn, "
+              f"{p['compilations']} compilations ({p['compile_s']:.1f} s)")
 
 
 def verdict(rows: list[dict]) -> dict:
-    """Each goal met at every batch size? (None when a figure was not measured.)"""
+    """Each goal met at every batch size? (A size where it was not measured fails it; worst is None when no size
+    measured it.)"""
     result = {}
     for goal, target in GOALS.items():
         values = [r[goal] for r in rows if goal in r]
         result[goal] = dict(target=target, worst=min(values) if values else None,
-                            passed=bool(values) and min(values) >= target)
+                            passed=bool(values) and len(values) == len(rows) and min(values) >= target)
     return result
 
 
@@ -223,6 +230,7 @@ def arguments() -> argparse.Namespace:
 
 
 def main():
+    faulthandler.enable(all_threads=True)  # a crash in native code still prints every thread's Python stack
     args = arguments()
     threads = args.threads or (1 if args.device == "cpu" else None)
     if threads:
@@ -239,6 +247,7 @@ def main():
     header = dict(command=shlex.join([sys.executable, *sys.argv]), device=device, torch=torch.__version__,
                   transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
                   tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
+                  compile=policy.compile_reason,
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
@@ -246,6 +255,7 @@ def main():
           f"{torch.get_num_threads()} CPU thread(s)")
     print("model:", ", ".join(f"{k} {v}" for k, v in shape.items()), f"(tokenizer {args.tokenizer}, {len(tokenizer)})")
     print(f"HFPolicy fast path: {policy.fast_path_reason}")
+    print(f"decode step: {policy.compile_reason}")
     print(f"episodes: {TURNS} turns x {args.new_tokens} new tokens, temperature {args.temperature}; "
           f"batch sizes {args.batch}; {args.repeats} timed run(s) each")
 
@@ -265,12 +275,18 @@ def main():
     print(f"{'batch':>5} {'tokens':>7} {'driver tok/s':>12} {'engine tok/s':>11} {'hf static tok/s':>14} "
           f"{'eng/hf':>7} {'drv/eng':>9}   {'generation s':>12} {'tools s':>8} {'bookkeeping s':>13}")
     rows = []
-    for i, batch in enumerate(args.batch):
-        rows.append(measure(driver, policy, tasks[:batch], args, step=1000 * i))
-        print_row(rows[-1])
-        write(rows, args, header)  # after each size: a run cut short still leaves its figures
-    asyncio.run(policy.close())
-    driver.close()
+    try:
+        for i, batch in enumerate(args.batch):
+            try:
+                rows.append(measure(driver, policy, tasks[:batch], args, step=1000 * i))
+            except Exception as e:  # record it and go on with the next size
+                rows.append(dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+            print_row(rows[-1])
+            header["compile"] = policy.compile_reason
+            write(rows, args, header)  # after each size: a run cut short still leaves its figures
+    finally:
+        asyncio.run(policy.close())
+        driver.close()
     report_end(rows, args, header)
 
 
@@ -282,7 +298,7 @@ def write(rows: list[dict], args, header: dict) -> None:
 def report_end(rows: list[dict], args, header: dict) -> None:
     ends = Counter()
     for r in rows:
-        ends.update(r["end_reasons"])
+        ends.update(r.get("end_reasons", {}))
     note = "" if set(ends) == {"answered"} else (
         " (a random model may sample <tool_call>: an error observation instead of 'Go on', still 3 turns)")
     print("episode ends:", ", ".join(f"{reason} {count}" for reason, count in ends.most_common()) + note)
