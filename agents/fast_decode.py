@@ -291,11 +291,12 @@ STEP_FUNCTIONS = (step_inputs, decode_layer, head_and_sample)
 
 # --------------------------------------------------------------------------------------------- slot bookkeeping
 def batch_buckets(max_slots: int) -> list[int]:
-    """Decode batch sizes with a graph each: powers of two to 32, multiples of 32 to 256, then of 64, and
-    `max_slots` itself (at most 32 padding rows up to 256, at most 64 beyond)."""
+    """Decode batch sizes with a graph each: powers of two from 2 to 32, multiples of 32 to 256, then of 64, and
+    `max_slots` itself (at most 32 padding rows up to 256, at most 64 beyond). A single row runs in a batch of 2:
+    the step costs the same, and dynamo would compile a batch of one as a case of its own."""
     if max_slots < 1:
         raise ValueError(f"max_slots must be >= 1, got {max_slots}")
-    sizes = [1, 2, 4, 8, 16, 32, *range(64, 257, 32), *range(320, max_slots + 1, 64)]
+    sizes = [2, 4, 8, 16, 32, *range(64, 257, 32), *range(320, max_slots + 1, 64)]
     return sorted({s for s in sizes if s < max_slots} | {max_slots})
 
 

@@ -139,7 +139,7 @@ def check_step_times(model, prompts, args, dtype_name) -> dict:
     """Per (batch bucket, length bucket): ms per decode step through `SlotEngine.step`. The rows hold 16-token
     prompts; a step attends to its whole length bucket whatever the rows' lengths."""
     cuda = args.device == "cuda"
-    batches = [b for b in ((1, 64, 256) if args.quick else (1, 8, 64, 128, 256, 512)) if b <= args.max_batch]
+    batches = [b for b in ((2, 64, 256) if args.quick else (2, 8, 64, 128, 256, 512)) if b <= args.max_batch]
     lengths = ((1024,) if args.quick else (256, 512, 1024, 2048)) if cuda else (256,)
     engine = engine_for(model, max(batches), 2 * max(lengths), compile=cuda)
     fill(engine, prompts, max(batches), SamplingParams(temperature=1.0))

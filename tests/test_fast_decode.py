@@ -2,8 +2,9 @@
 Llama models: same tokens and logprobs, rows joining and leaving, slot compaction and reuse, cancellation, memory
 release, reallocated weights, fallbacks; the sampler's arithmetic; property tests of the slot bookkeeping.
 
-On CPU the decode step runs eagerly (it is the very function a CUDA graph captures); with
-``MT_ENV_TEST_DEVICE=cuda`` the same tests run with CUDA graphs.
+On CPU the decode step runs eagerly (the very functions a CUDA graph captures), and compiled by Inductor in the
+tests that say so; with ``MT_ENV_TEST_DEVICE=cuda`` the same tests run as the fast path runs by default there:
+compiled and captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -286,70 +287,6 @@ def test_reallocated_parameters_are_noticed(change):
     assert after.ids == greedy_by_hand(model, PROMPTS[0], 12)
 
 
-# ------------------------------------------------------------------------------------------------- compiled step
-@pytest.fixture
-def fresh_compilations(monkeypatch):
-    """Dynamo's caches emptied (compiled code is shared by the whole process) and a registry of compiled functions
-    of the test's own (a failed compilation must not leave later tests' steps eager)."""
-    torch._dynamo.reset()
-    monkeypatch.setattr(compiling, "_COMPILED", {})
-    yield
-    torch._dynamo.reset()
-
-
-def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEngine]:
-    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48."""
-    engine = SlotEngine(model, decoder_layout(model), max_slots=4, max_cache_len=96, vocab_size=VOCAB,
-                        cuda_graphs=False, compile=compile, length_step=16)
-    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
-    rng = random.Random(0)
-    with torch.no_grad():
-        out = [engine.prefill([0, 1, 2, 3], [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]],
-                              RowSampling.draw(params, [random.Random(i) for i in range(4)], VOCAB))]
-        for step in range(24):
-            rows = 4 if step < 12 else 2
-            need = max(engine.slot_lengths()[:rows]) + 1
-            out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
-    return out, engine
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
-def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
-        fresh_compilations):
-    model = build("qwen3", num_hidden_layers=4)
-    eager, _ = engine_steps(model, compile=False)
-    compiled, engine = engine_steps(model, compile=True)
-    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(compiled, eager, strict=True):
-        assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
-    # one per step function: not one per layer (4), batch bucket (2) or length bucket (3)
-    assert engine.stats["compilations"] == len(STEP_FUNCTIONS) and engine.compile_reason.startswith("on:")
-    _, again = engine_steps(model, compile=True)
-    assert again.stats["compilations"] == 0  # another engine reuses the compiled code
-
-
-@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
-def test_a_policy_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
-    params = MIXES["mixed"]
-    fast, stats = run(generate_together(arch_model, PROMPTS, params, fast_path=True, compile=True), timeout=600)
-    reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
-    assert_same(fast, reference)
-    assert stats["compilations"] >= len(STEP_FUNCTIONS)
-
-
-def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilations):
-    """No working C++ compiler for Inductor on CPU (a fresh cache: nothing compiled earlier is reused)."""
-    from torch._inductor import config
-    from torch._inductor.utils import fresh_cache
-
-    model = build("qwen2").cpu()
-    eager, _ = engine_steps(model, compile=False, modes=("greedy", "sample"))
-    with fresh_cache(), config.patch({"compile_threads": 1, "cpp.cxx": ("/nonexistent/c++",)}):
-        fallback, engine = engine_steps(model, compile=True, modes=("greedy", "sample"))
-    assert fallback == eager
-    assert engine.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in engine.compile_reason
-    assert engine.stats["compilations"] == 0
-
-
 # ------------------------------------------------------------------------------------------------- fallbacks
 def unsupported_models():
     torch.manual_seed(0)
@@ -529,3 +466,68 @@ def test_compaction_keeps_each_rows_kv_and_position(small_engine_model, lengths,
         assert all(torch.equal(a, b) for a, b in zip(after, before[row]))
     held = {slot for slot, _ in table.occupied()}
     assert all(now[slot] == 0 for slot in range(8) if slot not in held)  # moved-from and left slots are free
+
+
+# ------------------------------------------------------------------------------------------------- compiled step
+# Last in the file: these tests empty dynamo's caches (the tests before them reuse compiled code).
+@pytest.fixture
+def fresh_compilations(monkeypatch):
+    """Dynamo's caches emptied (compiled code is shared by the whole process) and a registry of compiled functions
+    of the test's own (a failed compilation must not leave later tests' steps eager)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiling, "_COMPILED", {})
+    yield
+    torch._dynamo.reset()
+
+
+def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEngine]:
+    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48."""
+    engine = SlotEngine(model, decoder_layout(model), max_slots=4, max_cache_len=96, vocab_size=VOCAB,
+                        cuda_graphs=False, compile=compile, length_step=16)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    rng = random.Random(0)
+    with torch.no_grad():
+        out = [engine.prefill([0, 1, 2, 3], [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]],
+                              RowSampling.draw(params, [random.Random(i) for i in range(4)], VOCAB))]
+        for step in range(24):
+            rows = 4 if step < 12 else 2
+            need = max(engine.slot_lengths()[:rows]) + 1
+            out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
+    return out, engine
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
+        fresh_compilations):
+    model = build("qwen3", num_hidden_layers=4)
+    eager, _ = engine_steps(model, compile=False)
+    compiled, engine = engine_steps(model, compile=True)
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(compiled, eager, strict=True):
+        assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+    # one per step function: not one per layer (4), batch bucket (2) or length bucket (3)
+    assert engine.stats["compilations"] == len(STEP_FUNCTIONS) and engine.compile_reason.startswith("on:")
+    _, again = engine_steps(model, compile=True)
+    assert again.stats["compilations"] == 0  # another engine reuses the compiled code
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+def test_a_policy_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
+    params = MIXES["mixed"]
+    fast, stats = run(generate_together(arch_model, PROMPTS, params, fast_path=True, compile=True), timeout=600)
+    reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
+    assert_same(fast, reference)
+    assert stats["compilations"] >= len(STEP_FUNCTIONS)
+
+
+def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilations):
+    """No working C++ compiler for Inductor on CPU (a fresh cache: nothing compiled earlier is reused)."""
+    from torch._inductor import config
+    from torch._inductor.utils import fresh_cache
+
+    model = build("qwen2").cpu()
+    eager, _ = engine_steps(model, compile=False, modes=("greedy", "sample"))
+    with fresh_cache(), config.patch({"compile_threads": 1, "cpp.cxx": ("/nonexistent/c++",)}):
+        fallback, engine = engine_steps(model, compile=True, modes=("greedy", "sample"))
+    assert fallback == eager
+    assert engine.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in engine.compile_reason
+    assert engine.stats["compilations"] == 0
