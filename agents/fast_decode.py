@@ -597,6 +597,8 @@ class SlotEngine:
         token and logprob of every slot."""
         s = self._state
         length = self.length_bucket(need)
+        if uniforms is None and mode != "greedy":
+            raise ValueError(f"a {mode!r} step needs one uniform number per slot")
         with _on_device(s.live.device):
             if uniforms is not None:  # a plain (synchronous) copy: the device is idle between steps anyway
                 s.uniform[:rows].copy_(torch.tensor(uniforms, dtype=s.uniform.dtype))
