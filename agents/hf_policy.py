@@ -22,10 +22,12 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
 Two paths do the passes:
 
 * **The fast path** (`agents.fast_decode`; default on CUDA for Llama/Qwen2/Qwen3-style decoders): a KV cache with
-  one slot per row of `max_cache_len` tokens, rows joining and leaving by slot; decode steps captured in CUDA
-  graphs per batch and length bucket; the module's own submodules called by a layer loop of its own. A module it
-  cannot serve (another architecture, sliding-window layers, a length-dependent RoPE, quantization, offloading)
-  falls back to the transformers path, with the reason in `fast_path_reason`.
+  one slot per row of `max_cache_len` tokens, rows joining and leaving by slot; decode steps compiled by Inductor
+  (`agents.compiling`) and captured in CUDA graphs per batch and length bucket; the module's own submodules called
+  by a layer loop of its own. A module it cannot serve (another architecture, sliding-window layers, a
+  length-dependent RoPE, quantization, offloading) falls back to the transformers path, with the reason in
+  `fast_path_reason`; a step that cannot be compiled or captured runs eagerly, with the reason in
+  `compile_reason`.
 * **The transformers path** (everywhere else, e.g. on CPU): the module's own forward over a ``DynamicCache``. The
   prompts are left-padded into one tensor with an attention mask and per-row position ids. Rows that join are
   prefilled together, then merged into the running batch by left-padding the shorter KV cache (padding is masked
