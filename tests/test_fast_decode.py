@@ -24,7 +24,7 @@ from agents import compiling
 from agents.fast_decode import (STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable, batch_buckets, bucket_for,
                                 decoder_layout, prefill_groups, sample_tokens)
 from agents.hf_policy import HFPolicy
-from agents.policy import Generation, GenerationError, PolicyError, SamplingParams
+from agents.policy import GenerationError, PolicyError, SamplingParams
 
 from .test_policy_hf import DEVICE, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
@@ -216,7 +216,8 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
     reference, _, _ = run(main(**TRANSFORMERS), timeout=300)
     finished = [i for i in range(300) if i not in doomed]
     assert_same([fast[i] for i in finished], [reference[i] for i in finished])
-    assert all(isinstance(fast[i], (asyncio.CancelledError, Generation)) for i in doomed)
+    assert all(isinstance(fast[i], asyncio.CancelledError) or fast[i].finish_reason in ("stop", "length")
+               for i in doomed)  # cancelled, or done before the cancellation
     assert stats["compaction_moves"] > 0 and stats["prefill_passes"] >= 4 and stats["padded_rows"] > 0
     assert lengths == [0] * 256
 
