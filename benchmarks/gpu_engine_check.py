@@ -259,7 +259,7 @@ def train_copy_task(model, args) -> dict:
         ids = ids.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), ids[:, 1:], reduction="none")[copy].mean()
+        loss = F.cross_entropy(logits[:, :-1][copy].float(), ids[:, 1:][copy])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

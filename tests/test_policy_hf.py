@@ -227,6 +227,22 @@ def test_concurrent_requests_share_forward_passes(model, engine):
     assert calls <= max(lengths) + 2
 
 
+def test_requests_trickling_in_to_an_idle_worker_share_one_prefill(model, engine):
+    """Eight requests 50 ms apart (350 ms in all), each within the 200 ms gathering window of the one before: the
+    worker waits for the quiet window, not for a window after the first, and prefills them together."""
+
+    async def main():
+        async with HFPolicy(model, gather_window_s=0.2, **engine) as policy:
+            tasks = []
+            for prompt in PROMPTS * 2:
+                tasks.append(asyncio.create_task(policy.generate(prompt, GREEDY)))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*tasks)
+            return policy.stats["prefill_passes"]
+
+    assert run(main()) == 1
+
+
 def test_short_request_resolves_before_long_one(model, engine):
     async def main():
         async with HFPolicy(model, **engine) as policy:
