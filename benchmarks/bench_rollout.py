@@ -302,6 +302,7 @@ def report_end(rows: list[dict], args, header: dict) -> None:
     note = "" if set(ends) == {"answered"} else (
         " (a random model may sample <tool_call>: an error observation instead of 'Go on', still 3 turns)")
     print("episode ends:", ", ".join(f"{reason} {count}" for reason, count in ends.most_common()) + note)
+    print(f"decode step at the end: {header['compile']}")
     goals = verdict(rows)
     print()
     for goal, v in goals.items():

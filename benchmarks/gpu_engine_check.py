@@ -163,7 +163,8 @@ def check_step_times(model, prompts, args, dtype_name) -> dict:
         rows.append(dict(batch=b, length=length, mode=mode, graphs=graphs and cuda, compiled=cuda,
                          **time_steps(engine, b, length, mode, rng, args.steps)))
     return dict(steps=rows, graphs_captured=engine.graphs, cache_gib=round(engine.cache_bytes() / 2**30, 2),
-                compile=engine.compile_reason, compilations=engine.stats["compilations"],
+                compile=engine.compile_reason, capture_failure=engine.capture_failure,
+                compilations=engine.stats["compilations"],
                 compile_s=round(engine.stats["compile_s"], 1), grid_s=round(grid_s, 1))
 
 
