@@ -2,24 +2,38 @@
 
 The policy runs the trainer's own `nn.Module` (no copy): an optimizer step is visible to the next generated token.
 
-How requests are batched (iteration-level batching, as in Orca and vLLM, on top of transformers' ``DynamicCache``):
+How requests are batched (iteration-level batching, as in Orca and vLLM):
 
 * A background thread owns the forward passes. `generate` puts a request on a thread-safe queue and awaits a
   future, so the asyncio event loop never blocks on the model.
-* When idle, the worker takes the first request and gathers more for `gather_window_s` (or until `max_batch_size`).
-* **Prefill**: the prompts are left-padded into one tensor with an attention mask and per-row position ids; one
-  forward pass builds the KV cache and gives each row's first-token logits.
-* **Decode**: one token per row and step, with the cache. Each row samples with its own `SamplingParams` and its
-  own seeded ``torch.Generator``.
-* A row that samples a stop token or reaches its limit is **resolved at once** and leaves the batch (its cache
-  rows are dropped), so a finished episode never waits for the slowest row.
-* **Requests that arrive while a batch runs join it at the next step boundary**: they are prefilled together, then
-  merged into the running batch by left-padding the shorter KV cache (padding is masked out), and share every
-  forward pass from then on. Merging needs plain full-attention cache layers (``DynamicLayer``); with other caches
-  (sliding-window, quantized, ...) the new rows form a second batch that is stepped in turn — they still start at
-  once, they just share fewer passes. When rows leave, cache columns that are padding for every remaining row are
-  cut off.
+* When idle, the worker takes the first request and gathers more until none arrived for `gather_window_s` (at
+  most 25 windows, or until `max_batch_size`): requests that trickle in share one prefill.
+* **Prefill** builds each new row's KV cache and samples its first token; **decode** steps then produce one token
+  per row and step. Each row samples with its own `SamplingParams` and its own seeded ``random.Random``, whose
+  uniform numbers drive inverse-CDF sampling on the device for the whole batch at once
+  (`agents.fast_decode.sample_tokens`, shared by both paths below: the same seed gives the same tokens on both,
+  whatever else is in the batch).
+* A row that samples a stop token or reaches its limit is **resolved at once** and leaves the batch, so a finished
+  episode never waits for the slowest row.
+* **Requests that arrive while a batch runs join it at the next step boundary** and share every forward pass from
+  then on.
 * Batch size is capped by `max_batch_size` rows in flight; more requests wait in the queue.
+
+Two paths do the passes:
+
+* **The fast path** (`agents.fast_decode`; default on CUDA for Llama/Qwen2/Qwen3-style decoders): a KV cache with
+  one slot per row of `max_cache_len` tokens, rows joining and leaving by slot; decode steps compiled by Inductor
+  (`agents.compiling`) and captured in CUDA graphs per batch and length bucket; the module's own submodules called
+  by a layer loop of its own. A module it cannot serve (another architecture, sliding-window layers, a
+  length-dependent RoPE, quantization, offloading) falls back to the transformers path, with the reason in
+  `fast_path_reason`; a step that cannot be compiled or captured runs eagerly, with the reason in
+  `compile_reason`.
+* **The transformers path** (everywhere else, e.g. on CPU): the module's own forward over a ``DynamicCache``. The
+  prompts are left-padded into one tensor with an attention mask and per-row position ids. Rows that join are
+  prefilled together, then merged into the running batch by left-padding the shorter KV cache (padding is masked
+  out). Merging needs plain full-attention cache layers (``DynamicLayer``); with other caches (sliding-window,
+  quantized, ...) the new rows form a second batch that is stepped in turn — they still start at once, they just
+  share fewer passes. When rows leave, cache columns that are padding for every remaining row are cut off.
 
 Why not transformers' own batching:
 
@@ -29,9 +43,7 @@ Why not transformers' own batching:
   evaluated: it switches the module's attention implementation to a paged one (the module the trainer also runs),
   pre-allocates a paged cache, has one seed per manager (no per-request generator), returns logprobs of the
   *processed* distribution (after top-k/top-p, not what a trainer recomputes), and its internals changed between
-  5.17 and 5.24. A scheduler of our own over ``DynamicCache`` avoids all of that and runs on CPU and GPU alike.
-* ``DynamicCache`` rather than a static cache: rows join and leave at different lengths; a static cache would fix
-  a maximum length per row and pays off only with torch.compile / CUDA graphs.
+  5.17 and 5.24. A scheduler of our own avoids all of that and runs on CPU and GPU alike.
 
 Forward passes run under ``torch.no_grad()`` (not inference mode: tensors a module caches lazily during an
 inference-mode pass could not be used by the trainer's backward later) with the module in eval mode; its previous
@@ -42,12 +54,14 @@ flight on the same module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import math
 import queue
 import random
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,9 +71,30 @@ from torch import nn
 
 from mt_env.turn import ModelTurn
 
+from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, RowSampling, SlotEngine, SlotTable,
+                          UnsupportedModel, decoder_layout, prefill_groups, sample_tokens, sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
+#: longest gathering of requests that keep arriving (each within `gather_window_s` of the last), in windows
+GATHER_CAP_WINDOWS = 25
+
+
+def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any, error: BaseException | None):
+    """Settle an asyncio future from the worker thread (unless it was cancelled meanwhile)."""
+
+    def set_outcome() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(set_outcome)
+    except RuntimeError:  # the caller's event loop is closed: nobody waits for this result any more
+        pass
 
 
 @dataclass(eq=False)
@@ -75,30 +110,37 @@ class _Request:
     generator: random.Random | None = None  #: the row's own uniform draws (seeded: reproducible samples)
     started: float | None = None
     cancelled: bool = False  #: set by the caller's task when it is cancelled; the worker then drops the row
+    mode: int = field(init=False)  #: index in SAMPLING_MODES of the `sample_tokens` mode the row needs (0: greedy)
+
+    def __post_init__(self):
+        self.mode = SAMPLING_MODES.index(sampling_mode([self.params]))
 
     def settle(self, outcome: str | BaseException) -> None:
         """Resolve the caller's future from the worker thread: a finish reason, or an exception to raise."""
         if isinstance(outcome, BaseException):
-            result, error = None, outcome
-        else:
-            now = time.perf_counter()
-            started = self.started if self.started is not None else now
-            meta = {"backend": "hf", "prompt_tokens": len(self.prompt), "completion_tokens": len(self.ids),
-                    "queue_s": started - self.submitted, "generate_s": now - started}
-            result, error = ModelTurn(list(self.ids), list(self.logprobs), outcome, meta), None
+            _resolve(self.loop, self.future, None, outcome)
+            return
+        now = time.perf_counter()
+        started = self.started if self.started is not None else now
+        meta = {"backend": "hf", "prompt_tokens": len(self.prompt), "completion_tokens": len(self.ids),
+                "queue_s": started - self.submitted, "generate_s": now - started}
+        _resolve(self.loop, self.future, ModelTurn(list(self.ids), list(self.logprobs), outcome, meta), None)
 
-        def set_outcome(fut: asyncio.Future = self.future) -> None:
-            if fut.done():  # cancelled meanwhile
-                return
-            if error is not None:
-                fut.set_exception(error)
-            else:
-                fut.set_result(result)
 
+@dataclass(eq=False)
+class _Call:
+    """A function for the worker thread to run between two passes (it owns the engine); resolves `future`."""
+
+    fn: Callable[[], Any]
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def run(self) -> None:
         try:
-            self.loop.call_soon_threadsafe(set_outcome)
-        except RuntimeError:  # the caller's event loop is closed: nobody waits for this result any more
-            pass
+            result, error = self.fn(), None
+        except Exception as e:
+            result, error = None, e
+        _resolve(self.loop, self.future, result, error)
 
 
 @dataclass(eq=False)
@@ -118,14 +160,27 @@ class HFPolicy(Policy):
     Args:
         model: the module to run; shared, not copied. Device and dtype follow it (also if it is moved later).
         max_batch_size: most rows decoded together; further requests wait.
-        gather_window_s: when idle, how long to wait for more requests after the first before starting a batch.
-        max_context_len: prompt + generation limit; defaults to ``config.max_position_embeddings``. Generation
-            that reaches it ends with ``"length"``; longer prompts are rejected.
+        gather_window_s: when idle, gather requests until none arrived for this long (see above) before starting
+            a batch.
+        max_context_len: prompt + generation limit; defaults to ``config.max_position_embeddings`` (and to
+            `max_cache_len` on the fast path). Generation that reaches it ends with ``"length"``; longer prompts
+            are rejected.
         seed: seeds the generators of requests that come without `SamplingParams.seed`.
         pad_token_id: the id placed in padding positions (masked out; any valid id works).
         vocab_limit: sample only ids below this (the tokenizer's size when the model's embedding is padded beyond
             it: padding rows are not tokens). Logprobs are then over those ids — the trainer must use the same
             limit (`trainers.modeling.PolicyModel` does).
+        fast_path: ``"auto"``: the fast path (`agents.fast_decode`) when the module is on CUDA (here, now) and
+            supported; True: the fast path on any device (ValueError if the module is not supported); False:
+            transformers' forward. `fast_path_reason` says which was taken and why.
+        cuda_graphs: on the fast path on CUDA, capture decode steps in CUDA graphs (else they run eagerly).
+        compile: on the fast path, compile the decode step with Inductor (`agents.compiling`: fused kernels, one
+            compilation for all layers and buckets): ``"auto"`` on CUDA only, True also on CPU (Inductor then
+            needs a C++ compiler), False never. A compilation that fails leaves that part eager; `compile_reason`
+            says which.
+        max_cache_len: fast path only: tokens (prompt + generation) each of the `max_batch_size` KV slots holds;
+            default `max_context_len` when given, else ``min(config.max_position_embeddings, 4096)``. The cache
+            takes ``2 x layers x max_batch_size x kv_heads x max_cache_len x head_dim`` elements.
     """
 
     def __init__(
@@ -138,6 +193,10 @@ class HFPolicy(Policy):
         seed: int | None = None,
         pad_token_id: int = 0,
         vocab_limit: int | None = None,
+        fast_path: bool | str = "auto",
+        cuda_graphs: bool = True,
+        compile: bool | str = "auto",
+        max_cache_len: int | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
@@ -153,20 +212,26 @@ class HFPolicy(Policy):
             if not 0 < vocab_limit <= self.vocab_size:
                 raise ValueError(f"vocab_limit {vocab_limit} must be in (0, {self.vocab_size}]")
             self.vocab_size = vocab_limit
-        config = getattr(model, "config", None)
-        self.max_context_len = max_context_len or getattr(config, "max_position_embeddings", None) or 2**31 - 1
         if not 0 <= pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id {pad_token_id} is outside the vocabulary [0, {self.vocab_size})")
         self.pad_token_id = pad_token_id
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or 2**31 - 1
+        self.max_context_len = max_context_len or positions
 
-        accepted = inspect.signature(model.forward).parameters
-        if "cache" in accepted:  # recent transformers (5.24) name it `cache`; 5.17 still says `past_key_values`
-            self._cache_arg = "cache"
-        elif "past_key_values" in accepted:
-            self._cache_arg = "past_key_values"
-        else:
-            raise TypeError(f"{type(model).__name__}.forward takes no KV cache (`cache` / `past_key_values`)")
-        self._keep_last_logits = "logits_to_keep" in accepted
+        self._cache_arg, self._keep_last_logits = _forward_arguments(model)
+
+        #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges, graph replays, ...
+        #: merges and separate_batches are the transformers path's; the fast path pads decode batches to a bucket
+        #: (padded_rows), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays).
+        self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
+                                      "separate_batches": 0, "padded_rows": 0, "compaction_moves": 0,
+                                      "graph_captures": 0, "graph_replays": 0, "module_reallocations": 0,
+                                      "compilations": 0, "compile_s": 0.0, "capture_failures": 0}
+        cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
+        self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)
+        self.fast_path = self._engine is not None
+        if self._engine is not None:
+            self.max_context_len = min(self.max_context_len, self._engine.max_cache_len)
 
         self._rng = random.Random(seed)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -176,14 +241,38 @@ class HFPolicy(Policy):
         self._dead: BaseException | None = None
         # Owned by the worker thread:
         self._waiting: list[_Request] = []
-        self._batches: list[_Batch] = []
+        self._batches: list[_Batch] = []  # the transformers path's batches
+        self._slots = SlotTable(max_batch_size) if self.fast_path else None  # the fast path's rows, by KV slot
         self._done: list[tuple[_Request, str | BaseException]] = []
         self._restore_training = False
-        #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges that failed, ...
-        self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
-                                      "separate_batches": 0}
         self._thread = threading.Thread(target=self._work, name="HFPolicy-worker", daemon=True)
         self._thread.start()
+
+    def _fast_engine(self, fast_path: bool | str, cuda_graphs: bool, compile: bool | str, max_cache_len: int):
+        """The fast path's engine (or None) and why it was (not) taken."""
+        for name, value in (("fast_path", fast_path), ("compile", compile)):
+            if value not in (True, False, "auto"):
+                raise ValueError(f"{name} must be True, False or 'auto', got {value!r}")
+        if not isinstance(max_cache_len, int) or max_cache_len < 2:
+            raise ValueError(f"max_cache_len must be an integer >= 2, got {max_cache_len!r}")
+        if fast_path is False:
+            return None, "off: fast_path=False"
+        try:
+            layout = decoder_layout(self.model)
+        except UnsupportedModel as e:
+            if fast_path is True:
+                raise ValueError(f"fast_path=True, but the module cannot take it: {e}") from None
+            return None, f"off: {e}"
+        device = _device(self.model)
+        if fast_path == "auto" and device.type != "cuda":
+            return None, f"off: the module is on {device.type} (fast_path='auto' takes it on CUDA only)"
+        compile_step = compile is True or (compile == "auto" and device.type == "cuda")
+        engine = SlotEngine(self.model, layout, max_slots=self.max_batch_size, max_cache_len=max_cache_len,
+                            vocab_size=self.vocab_size, cuda_graphs=cuda_graphs, compile=compile_step,
+                            stats=self.stats)
+        graphs = cuda_graphs and device.type == "cuda"
+        return engine, (f"on: {max_cache_len}-token KV slots, decode steps {'compiled' if compile_step else 'eager'}"
+                        f"{' in CUDA graphs' if graphs else ''}")
 
     # ----------------------------------------------------------------------------------------- public API
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
@@ -194,17 +283,13 @@ class HFPolicy(Policy):
             raise ValueError(f"stop token id(s) {bad_stop[:5]} outside the vocabulary [0, {self.vocab_size})")
         room = self.max_context_len - len(prompt)
         if room < 1:
+            limit = " (the fast path's max_cache_len)" if self.fast_path else ""
             raise ValueError(f"the prompt is {len(prompt)} tokens: no room left in the context of "
-                             f"{self.max_context_len} tokens")
+                             f"{self.max_context_len} tokens{limit}")
         loop = asyncio.get_running_loop()
         request = _Request(prompt, params, min(params.max_new_tokens, room), loop.create_future(), loop,
                            time.perf_counter())
-        with self._submit_lock:
-            if self._closed:
-                raise PolicyError("this HFPolicy is closed")
-            if self._dead is not None:
-                raise PolicyError(f"HFPolicy's worker thread died: {self._dead!r}") from self._dead
-            self._queue.put(request)
+        self._submit(request)
         try:
             return await request.future
         except asyncio.CancelledError:
@@ -229,7 +314,8 @@ class HFPolicy(Policy):
         """Copy tensors into the module's parameters/buffers of the same names, between two forward passes.
 
         Rarely needed: the policy runs the trainer's module, so optimizer steps are visible without it. Useful
-        when the trainer holds another copy (other device, wrapped module).
+        when the trainer holds another copy (other device, wrapped module). The copies are in place, so the fast
+        path's CUDA graphs see them.
         """
         if model_path is not None or kwargs:
             raise NotImplementedError("HFPolicy updates weights from tensors only (named_tensors=...); it shares "
@@ -240,18 +326,56 @@ class HFPolicy(Policy):
         await asyncio.to_thread(self._copy_weights, items)
 
     async def flush_cache(self) -> None:
-        """Nothing to do: HFPolicy keeps no KV cache between requests."""
+        """Nothing to do: HFPolicy keeps no KV cache between requests (a KV slot is reused from scratch)."""
 
     async def release_memory(self) -> None:
-        raise NotImplementedError("HFPolicy runs the trainer's own module: there is no separate copy of the weights "
-                                  "to release (move or offload the model yourself if needed)")
+        """Free the fast path's KV cache and CUDA graphs (nothing on the transformers path, which keeps no cache
+        between requests). The weights are the trainer's and stay. Refused while requests are in flight; the
+        next generation (or `resume_memory`) allocates the cache again."""
+        await self._in_worker(self._release)
 
     async def resume_memory(self) -> None:
-        raise NotImplementedError("HFPolicy holds no released memory to resume (see release_memory)")
+        """Allocate the fast path's KV cache now rather than at the next generation."""
+        await self._in_worker(self._engine.allocate if self._engine is not None else lambda: None)
+
+    @property
+    def compile_reason(self) -> str:
+        """Whether the fast path's decode step runs compiled and captured, and why not where it does not."""
+        if self._engine is None:
+            return "off: the transformers path"
+        graphs = f"; CUDA graphs off: {self._engine.capture_failure}" if self._engine.capture_failure else ""
+        return self._engine.compile_reason + graphs
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes the fast path's KV cache holds now (0 when released, not yet allocated, or on the transformers
+        path, whose caches live only while requests run)."""
+        return self._engine.cache_bytes() if self._engine is not None and self._engine.allocated else 0
 
     def __repr__(self) -> str:
         return (f"HFPolicy({type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
-                f"vocab_size={self.vocab_size}, closed={self._closed})")
+                f"vocab_size={self.vocab_size}, fast_path={self.fast_path}, closed={self._closed})")
+
+    def _submit(self, item: _Request | _Call) -> None:
+        with self._submit_lock:
+            if self._closed:
+                raise PolicyError("this HFPolicy is closed")
+            if self._dead is not None:
+                raise PolicyError(f"HFPolicy's worker thread died: {self._dead!r}") from self._dead
+            self._queue.put(item)
+
+    async def _in_worker(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the worker thread between two passes and return its result."""
+        loop = asyncio.get_running_loop()
+        call = _Call(fn, loop.create_future(), loop)
+        self._submit(call)
+        return await call.future
+
+    def _release(self) -> None:
+        if self._busy():
+            raise PolicyError(f"cannot release memory while {len(self._held())} request(s) are in flight")
+        if self._engine is not None:
+            self._engine.release()
 
     # ----------------------------------------------------------------------------------------- worker thread
     def _work(self) -> None:
@@ -276,58 +400,202 @@ class HFPolicy(Policy):
                 self._done.append((request, "abort"))
             return False
         self._drop_cancelled()
-        self._admit()
-        for batch in list(self._batches):
-            self._decode(batch)
+        if self._engine is not None:
+            self._admit_to_slots()
+            self._step_slots()
+        else:
+            self._admit()
+            for batch in list(self._batches):
+                self._decode(batch)
         self._settle_done()
         return True
 
     def _take_requests(self) -> bool:
-        """Move queued requests to `_waiting`, blocking while there is nothing to do. True when close() asks to stop."""
-        if not self._batches and not self._waiting:
-            item = self._queue.get()
-            if item is _STOP:
+        """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do. True
+        when close() asks to stop."""
+        if not self._busy():
+            if self._accept(self._queue.get()) or (self._waiting and self._gather()):
                 return True
-            self._waiting.append(item)
-            deadline = time.perf_counter() + self.gather_window_s
-            while len(self._waiting) < self.max_batch_size and (timeout := deadline - time.perf_counter()) > 0:
-                try:
-                    item = self._queue.get(timeout=timeout)
-                except queue.Empty:
-                    break
-                if item is _STOP:
-                    return True
-                self._waiting.append(item)
+        return self._drain()
+
+    def _gather(self) -> bool:
+        """With the worker idle and a first request waiting: take more until none arrived for `gather_window_s`,
+        the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns
+        ended together, processed one after another by the caller) then share one prefill. The window is a real
+        wait on the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
+        deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
+        while len(self._waiting) < self.max_batch_size:
+            if self._drain():
+                return True
+            timeout = min(self.gather_window_s, deadline - time.perf_counter())
+            if len(self._waiting) >= self.max_batch_size or timeout <= 0:
+                return False
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                return False
+            if self._accept(item):
+                return True
+        return False
+
+    def _drain(self) -> bool:
+        """Take everything queued now, without waiting. True when close() asks to stop."""
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 return False
-            if item is _STOP:
+            if self._accept(item):
                 return True
+
+    def _accept(self, item: Any) -> bool:
+        """One queued item: close()'s stop (True), a call to run now, or a request to admit."""
+        if item is _STOP:
+            return True
+        if isinstance(item, _Call):
+            item.run()
+        else:
             self._waiting.append(item)
+        return False
+
+    def _held(self) -> list[_Request]:
+        """Requests being decoded or waiting to be admitted."""
+        held = [r for b in self._batches for r in b.rows] + self._waiting
+        return held + ([r for _, r in self._slots.occupied()] if self._slots is not None else [])
+
+    def _busy(self) -> bool:
+        return bool(self._batches or self._waiting or (self._slots is not None and self._slots.held_count()))
 
     def _everyone(self) -> list[_Request]:
-        """All requests the worker holds or that are still queued; clears them from the worker's state."""
-        requests = [r for b in self._batches for r in b.rows] + self._waiting
+        """All requests the worker holds or that are still queued; clears them from the worker's state (queued
+        calls fail: the worker is going away)."""
+        requests = self._held()
         self._batches, self._waiting = [], []
+        if self._slots is not None:
+            self._slots = SlotTable(self._slots.size)
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if item is not _STOP:
+            if isinstance(item, _Call):
+                _resolve(item.loop, item.future, None, PolicyError("this HFPolicy is closed"))
+            elif item is not _STOP:
                 requests.append(item)
         return requests
 
     def _drop_cancelled(self) -> None:
         self._waiting = [r for r in self._waiting if not r.cancelled]
+        if self._slots is not None:
+            self._free_slots([slot for slot, r in self._slots.occupied() if r.cancelled])
         for batch in list(self._batches):
             if any(r.cancelled for r in batch.rows):
                 self._keep_rows(batch, [i for i, r in enumerate(batch.rows) if not r.cancelled])
                 if not batch.rows:
                     self._batches.remove(batch)
 
+    def _start(self, requests: list[_Request]) -> None:
+        now = time.perf_counter()
+        for r in requests:
+            r.started = now
+            r.generator = random.Random(r.params.seed if r.params.seed is not None else self._rng.getrandbits(63))
+
+    @contextlib.contextmanager
+    def _pass(self):
+        """Around each forward pass: the model lock (update_weights waits for it) and eval mode."""
+        with self._model_lock:
+            if self.model.training:
+                self._restore_training = True
+                self.model.eval()
+            yield
+
+    def _record(self, rows: list[_Request], tokens: list[int], logprobs: list[float]) -> list[int]:
+        """Append each row's new token and retire the rows that are done; returns the indices of those that go on."""
+        if any(math.isnan(lp) for lp in logprobs):
+            raise GenerationError("the model produced NaN logits")
+        keep = []
+        for i, (request, token, logprob) in enumerate(zip(rows, tokens, logprobs)):
+            request.ids.append(token)
+            request.logprobs.append(logprob)
+            if token in request.params.stop_token_ids:
+                self._done.append((request, "stop"))
+            elif len(request.ids) >= request.max_new_tokens:
+                self._done.append((request, "length"))
+            elif not request.cancelled:
+                keep.append(i)
+        return keep
+
+    # ----------------------------------------------------------------------------------------- fast path
+    def _admit_to_slots(self) -> None:
+        """Prefill as many waiting requests as there are free slots, in passes of bounded size."""
+        room = self._slots.free_count()
+        if room <= 0 or not self._waiting:
+            return
+        new, self._waiting = self._waiting[:room], self._waiting[room:]
+        self._start(new)
+        try:
+            self._engine.check_module(busy=self._slots.held_count() > 0)
+        except Exception as e:
+            self._fail(new, "prefill", e)
+            return
+        for group in prefill_groups([len(r.prompt) for r in new], PREFILL_TOKENS):
+            self._prefill_slots([new[i] for i in group])
+
+    def _prefill_slots(self, requests: list[_Request]) -> None:
+        slots = self._slots.acquire(requests)
+        sampling = RowSampling.draw([r.params for r in requests], [r.generator for r in requests], self.vocab_size)
+        try:
+            with self._pass():
+                tokens, logprobs = self._engine.prefill(slots, [r.prompt for r in requests], sampling)
+            self.stats["prefill_passes"] += 1
+            keep = set(self._record(requests, tokens, logprobs))
+        except Exception as e:
+            self._free_slots(slots, clear=True)
+            self._fail(requests, "prefill", e)
+            return
+        self._free_slots([slot for i, slot in enumerate(slots) if i not in keep])
+
+    def _step_slots(self) -> None:
+        """One decode step over the batch bucket covering every held slot (after compaction)."""
+        moves = self._slots.compact()
+        held = self._slots.occupied()
+        if not held:
+            return
+        if moves:
+            moved = {dst for _, dst in moves}
+            self._engine.move(moves, filled=max(len(r.prompt) + len(r.ids) - 1 for s, r in held if s in moved))
+            self.stats["compaction_moves"] += len(moves)
+        bucket = self._slots.bucket()
+        uniforms, need, mode = None, 0, 0  # uniforms: None while every row is greedy (nothing to draw or send)
+        for slot, r in held:  # per step and row: keep it lean (it runs while the GPU waits)
+            attended = len(r.prompt) + len(r.ids)  # the filled positions and the token fed now
+            if attended > need:
+                need = attended
+            if r.mode:
+                if uniforms is None:
+                    uniforms = [0.0] * bucket
+                uniforms[slot] = r.generator.random()
+                if r.mode > mode:
+                    mode = r.mode
+        slots, rows = [slot for slot, _ in held], [r for _, r in held]
+        try:
+            with self._pass():
+                tokens, logprobs = self._engine.step(bucket, need, uniforms, SAMPLING_MODES[mode])
+            self.stats["decode_passes"] += 1
+            self.stats["decoded_rows"] += len(rows)
+            self.stats["padded_rows"] += bucket - len(rows)
+            keep = set(self._record(rows, [tokens[s] for s in slots], [logprobs[s] for s in slots]))
+        except Exception as e:
+            self._free_slots(slots, clear=True)
+            self._fail(rows, "decoding", e)
+            return
+        self._free_slots([slot for i, slot in enumerate(slots) if i not in keep])
+
+    def _free_slots(self, slots: list[int], clear: bool = False) -> None:
+        self._slots.release(slots)
+        self._engine.free(slots, clear=clear)
+
+    # ----------------------------------------------------------------------------------------- transformers path
     def _admit(self) -> None:
         """Prefill as many waiting requests as there is room for, then merge them into a running batch."""
         room = self.max_batch_size - sum(len(b.rows) for b in self._batches)
@@ -349,10 +617,7 @@ class HFPolicy(Policy):
 
     def _prefill(self, requests: list[_Request]) -> _Batch:
         device = _device(self.model)
-        now = time.perf_counter()
-        for r in requests:
-            r.started = now
-            r.generator = random.Random(r.params.seed if r.params.seed is not None else self._rng.getrandbits(63))
+        self._start(requests)
         width = max(len(r.prompt) for r in requests)
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt)) + r.prompt for r in requests],
                                  dtype=torch.long, device=device)
@@ -374,13 +639,13 @@ class HFPolicy(Policy):
             self.stats["decode_passes"] += 1
             self.stats["decoded_rows"] += len(batch.rows)
             tokens, logprobs = self._sample(logits, batch.rows)
+            batch.mask = mask
+            batch.positions = batch.positions + 1
+            self._advance(batch, tokens, logprobs)
         except Exception as e:
             self._batches.remove(batch)
             self._fail(batch.rows, "decoding", e)
             return
-        batch.mask = mask
-        batch.positions = batch.positions + 1
-        self._advance(batch, tokens, logprobs)
         if not batch.rows:
             self._batches.remove(batch)
 
@@ -392,10 +657,7 @@ class HFPolicy(Policy):
             kwargs[self._cache_arg] = cache
         if self._keep_last_logits:
             kwargs["logits_to_keep"] = 1
-        with self._model_lock:
-            if self.model.training:
-                self._restore_training = True
-                self.model.eval()
+        with self._pass():
             out = self.model(**kwargs)
         cache = getattr(out, self._cache_arg, None)
         if cache is None:
@@ -404,34 +666,16 @@ class HFPolicy(Policy):
 
     def _advance(self, batch: _Batch, tokens: list[int], logprobs: list[float]) -> None:
         """Record each row's new token and retire the rows that are done."""
-        keep = []
-        for i, (request, token, logprob) in enumerate(zip(batch.rows, tokens, logprobs)):
-            request.ids.append(token)
-            request.logprobs.append(logprob)
-            if token in request.params.stop_token_ids:
-                self._done.append((request, "stop"))
-            elif len(request.ids) >= request.max_new_tokens:
-                self._done.append((request, "length"))
-            elif not request.cancelled:
-                keep.append(i)
+        keep = self._record(batch.rows, tokens, logprobs)
         batch.next_input = torch.tensor(tokens, dtype=torch.long, device=batch.mask.device)
         if len(keep) < len(batch.rows):
             self._keep_rows(batch, keep)
 
     def _sample(self, logits: torch.Tensor, rows: list[_Request]) -> tuple[list[int], list[float]]:
-        """Per-row sampling. Returns the tokens and ``log_softmax(logits / T)`` of each (raw logits when greedy)."""
-        if torch.isnan(logits).any():
-            raise GenerationError("the model produced NaN logits")
-        temperature = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=logits.device)
-        greedy = temperature == 0
-        logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-        tokens = logits.argmax(dim=-1)
-        sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            tokens[index] = _draw(logprobs[index].exp(), [rows[i] for i in sampled])
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
+        """Per-row sampling (`sample_tokens`). Returns the tokens and ``log_softmax(logits / T)`` of each."""
+        sampling = RowSampling.draw([r.params for r in rows], [r.generator for r in rows], self.vocab_size)
+        tokens, logprobs = sample_tokens(logits, *sampling.tensors(logits.device), sampling.mode)
+        return tokens.tolist(), logprobs.tolist()
 
     # ----------------------------------------------------------------------------------------- cache surgery
     def _keep_rows(self, batch: _Batch, keep: list[int]) -> None:
@@ -481,7 +725,7 @@ class HFPolicy(Policy):
 
     def _settle_done(self) -> None:
         """Resolve finished requests; restore the module's train mode first if nothing else is running."""
-        if not self._batches and not self._waiting and self._restore_training:
+        if not self._busy() and self._restore_training:
             self.model.train()
             self._restore_training = False
         done, self._done = self._done, []
@@ -502,29 +746,6 @@ class HFPolicy(Policy):
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _draw(probs: torch.Tensor, rows: list[_Request]) -> torch.Tensor:
-    """One token per row from `probs` [rows, vocab], after each row's top-k/top-p, with each row's generator."""
-    vocab = probs.shape[-1]
-    order = None
-    if any(r.params.top_k != -1 or r.params.top_p < 1 for r in rows):
-        probs, order = probs.sort(dim=-1, descending=True)
-        top_k = torch.tensor([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], device=probs.device)
-        top_p = torch.tensor([r.params.top_p if r.params.top_p < 1 else float("inf") for r in rows],
-                             dtype=probs.dtype, device=probs.device)
-        rank = torch.arange(vocab, device=probs.device)
-        mass_before = probs.cumsum(dim=-1) - probs
-        probs = probs * ((rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None]))
-    # Inverse-CDF sampling: one uniform number per row from the row's own generator, drawn on the host and sent in
-    # one copy (a device generator per row would cost one kernel launch per row and step).
-    cdf_dtype = torch.float32 if probs.device.type == "mps" else torch.float64
-    cdf = probs.to(cdf_dtype).cumsum(dim=-1)
-    uniform = torch.tensor([r.generator.random() for r in rows], dtype=cdf_dtype).to(probs.device, non_blocking=True)
-    total = cdf[:, -1]
-    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-    choice = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
-    return choice if order is None else order.gather(1, choice[:, None]).squeeze(1)
-
-
 def _mergeable(cache: Any, width: int) -> bool:
     """True for caches made only of plain full-attention dynamic layers holding `width` positions."""
     from transformers.cache_utils import DynamicLayer
@@ -539,6 +760,16 @@ def _mergeable(cache: Any, width: int) -> bool:
 def _pad_time(states: torch.Tensor, n: int) -> torch.Tensor:
     """Left-pad [batch, heads, time, dim] key/value states with `n` zero positions."""
     return F.pad(states, (0, 0, n, 0)) if n else states
+
+
+def _forward_arguments(model: nn.Module) -> tuple[str, bool]:
+    """The name of the forward's KV-cache argument, and whether it takes ``logits_to_keep``."""
+    accepted = inspect.signature(model.forward).parameters
+    if "cache" in accepted:  # recent transformers (5.24) name it `cache`; 5.17 still says `past_key_values`
+        return "cache", "logits_to_keep" in accepted
+    if "past_key_values" in accepted:
+        return "past_key_values", "logits_to_keep" in accepted
+    raise TypeError(f"{type(model).__name__}.forward takes no KV cache (`cache` / `past_key_values`)")
 
 
 def _device(model: nn.Module) -> torch.device:

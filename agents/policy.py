@@ -172,13 +172,14 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None = None) -
         raise ValueError(f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
     if not ids:
         raise ValueError("the prompt is empty: a policy needs at least one prompt token")
-    not_int = [i for i in ids if not is_int(i)]
-    if not_int:
-        raise ValueError(f"prompt ids must be integers, got {not_int[:5]}")
-    ids = [int(i) for i in ids]
+    if set(map(type, ids)) != {int}:  # the common case, plain ints, is checked without a Python call per id
+        not_int = [i for i in ids if not is_int(i)]
+        if not_int:
+            raise ValueError(f"prompt ids must be integers, got {not_int[:5]}")
+        ids = [int(i) for i in ids]
     high = vocab_size if vocab_size is not None else math.inf
-    bad = [i for i in ids if not 0 <= i < high]
-    if bad:
+    if min(ids) < 0 or max(ids) >= high:
+        bad = [i for i in ids if not 0 <= i < high]
         where = f"[0, {vocab_size})" if vocab_size is not None else "[0, inf)"
         raise ValueError(f"prompt token id(s) {bad[:5]} outside the vocabulary {where}")
     return ids

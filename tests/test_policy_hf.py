@@ -1,4 +1,5 @@
-"""HFPolicy on a tiny random-init Qwen2 model on CPU: outputs, logprobs, batching, seeds, weight sharing, errors."""
+"""HFPolicy on a tiny random-init Qwen2 model on CPU: outputs, logprobs, batching, seeds, weight sharing, errors —
+on both of its paths (the fast slot-cache path and transformers' forward; `engine` fixture)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from mt_env.turn import ModelTurn
 VOCAB = 512
 DEVICE = os.environ.get("MT_ENV_TEST_DEVICE", "cpu")  # e.g. "cuda" to run these tests on a GPU
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
+#: HFPolicy arguments of each path: the fast path forced on (CUDA graphs where there is CUDA; its decode step not
+#: compiled: these tests are about scheduling, tests/test_fast_decode.py runs the compiled step), transformers' forward
+PATHS = {"fast": dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False),
+         "transformers": dict(fast_path=False)}
 
 
 def tiny_model(seed: int = 0, vocab: int = VOCAB) -> Qwen2ForCausalLM:
@@ -26,9 +31,25 @@ def tiny_model(seed: int = 0, vocab: int = VOCAB) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).to(DEVICE).eval()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Tiny matmuls on a small shared CPU run many times faster on one intra-op thread than on threads that wait
+    for busy cores (tests/test_fast_decode.py imports this fixture too)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def model():
     return tiny_model()
+
+
+@pytest.fixture(params=list(PATHS))
+def engine(request) -> dict:
+    """HFPolicy keyword arguments choosing one of its two paths."""
+    return PATHS[request.param]
 
 
 def run(coro, timeout: float = 30):
@@ -36,11 +57,19 @@ def run(coro, timeout: float = 30):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def count_forward_passes(model) -> list[int]:
-    calls = [0]
-    handle = model.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    calls.append(handle)  # keep the handle so that the test can remove it
-    return calls
+def passes(policy: HFPolicy) -> int:
+    """Forward passes the policy ran so far (a CUDA graph replay runs no Python hook: count with the policy's
+    stats, which tests/test_fast_decode.py checks against a hook on the LM head)."""
+    return policy.stats["prefill_passes"] + policy.stats["decode_passes"]
+
+
+def break_mlp(model, forward) -> None:
+    """Replace the first layer's MLP forward (both paths call it), e.g. with one that raises."""
+    model.model.layers[0].mlp.forward = forward
+
+
+def restore_mlp(model) -> None:
+    del model.model.layers[0].mlp.forward  # the class's forward again
 
 
 def greedy_by_hand(model, prompt: list[int], n: int) -> list[int]:
@@ -91,9 +120,9 @@ def test_generation_checks_its_fields():
 
 
 # ------------------------------------------------------------------------------------------------- outputs
-def test_length_is_respected_exactly(model):
+def test_length_is_respected_exactly(model, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             return await policy.generate([1, 2, 3], SamplingParams(max_new_tokens=7, seed=0))
 
     g = run(main())
@@ -103,13 +132,13 @@ def test_length_is_respected_exactly(model):
     assert g.meta["completion_tokens"] == 7 and g.meta["prompt_tokens"] == 3
 
 
-def test_stop_token_is_included_and_ends_generation(model):
+def test_stop_token_is_included_and_ends_generation(model, engine):
     reference = greedy_by_hand(model, [1, 2, 3, 4], 12)
     k = next(i for i in range(2, 12) if reference[i] not in reference[:i])  # a stop token first sampled at step k
     stop = reference[k]
 
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             return await policy.generate([1, 2, 3, 4], GREEDY.replace(stop_token_ids=(stop, VOCAB - 1)))
 
     g = run(main())
@@ -118,9 +147,9 @@ def test_stop_token_is_included_and_ends_generation(model):
     assert len(g.logprobs) == len(g.ids)
 
 
-def test_greedy_equals_argmax_without_cache_for_concurrent_prompts(model):
+def test_greedy_equals_argmax_without_cache_for_concurrent_prompts(model, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             return await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS))
 
     for prompt, g in zip(PROMPTS, run(main())):
@@ -132,9 +161,9 @@ def test_greedy_equals_argmax_without_cache_for_concurrent_prompts(model):
     SamplingParams(temperature=1.3, max_new_tokens=10, seed=2),
     SamplingParams(temperature=0, max_new_tokens=10),
 ])
-def test_logprobs_equal_a_full_forward_recomputation(model, params):
+def test_logprobs_equal_a_full_forward_recomputation(model, params, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             return await asyncio.gather(*(policy.generate(p, params.replace(seed=i)) for i, p in enumerate(PROMPTS)))
 
     for prompt, g in zip(PROMPTS, run(main())):
@@ -143,16 +172,16 @@ def test_logprobs_equal_a_full_forward_recomputation(model, params):
 
 
 @pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6)])
-def test_extreme_truncation_samples_the_argmax(model, truncation):
+def test_extreme_truncation_samples_the_argmax(model, truncation, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             return await policy.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3,
                                                                     **truncation))
 
     assert run(main()).ids == greedy_by_hand(model, PROMPTS[1], 8)
 
 
-def test_sampling_follows_the_truncated_distribution():
+def test_sampling_follows_the_truncated_distribution(engine):
     peaked = tiny_model(seed=5)
     with torch.no_grad():
         peaked.lm_head.weight.mul_(40)  # a few tokens carry most of the mass
@@ -162,7 +191,7 @@ def test_sampling_follows_the_truncated_distribution():
     n = 400
 
     async def main():
-        async with HFPolicy(peaked) as policy:
+        async with HFPolicy(peaked, **engine) as policy:
             params = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=1, seed=0)
             return await policy.generate_many([PROMPTS[0]] * n, params)
 
@@ -172,9 +201,9 @@ def test_sampling_follows_the_truncated_distribution():
     assert abs(freq - p_first) < 4 * math.sqrt(p_first * (1 - p_first) / n) + 1e-9
 
 
-def test_context_length_ends_generation_with_length(model):
+def test_context_length_ends_generation_with_length(model, engine):
     async def main():
-        async with HFPolicy(model, max_context_len=12) as policy:
+        async with HFPolicy(model, max_context_len=12, **engine) as policy:
             return await policy.generate(list(range(1, 9)), SamplingParams(max_new_tokens=10, seed=0))
 
     g = run(main())
@@ -182,29 +211,42 @@ def test_context_length_ends_generation_with_length(model):
 
 
 # ------------------------------------------------------------------------------------------------- batching
-def test_concurrent_requests_share_forward_passes(model):
+def test_concurrent_requests_share_forward_passes(model, engine):
     lengths = [2, 4, 6, 8, 10, 12, 14, 16]
-    calls = count_forward_passes(model)
 
     async def main():
-        async with HFPolicy(model, gather_window_s=0.05) as policy:
-            return await asyncio.gather(*(
+        async with HFPolicy(model, gather_window_s=0.05, **engine) as policy:
+            gens = await asyncio.gather(*(
                 policy.generate([5 + i] * (3 + i), SamplingParams(max_new_tokens=n, seed=i))
                 for i, n in enumerate(lengths)))
+            return gens, passes(policy)
 
-    try:
-        gens = run(main())
-    finally:
-        calls[1].remove()
+    gens, calls = run(main())
     assert [len(g.ids) for g in gens] == lengths
     # One prefill and one decode step per further token of the longest request, shared by all rows (a straggler
     # missing the gathering window would add a prefill); one request at a time would need sum(lengths) = 72.
-    assert calls[0] <= max(lengths) + 2
+    assert calls <= max(lengths) + 2
 
 
-def test_short_request_resolves_before_long_one(model):
+def test_requests_trickling_in_to_an_idle_worker_share_one_prefill(model, engine):
+    """Eight requests 50 ms apart (350 ms in all), each within the 200 ms gathering window of the one before: the
+    worker waits for the quiet window, not for a window after the first, and prefills them together."""
+
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, gather_window_s=0.2, **engine) as policy:
+            tasks = []
+            for prompt in PROMPTS * 2:
+                tasks.append(asyncio.create_task(policy.generate(prompt, GREEDY)))
+                await asyncio.sleep(0.05)
+            await asyncio.gather(*tasks)
+            return policy.stats["prefill_passes"]
+
+    assert run(main()) == 1
+
+
+def test_short_request_resolves_before_long_one(model, engine):
+    async def main():
+        async with HFPolicy(model, **engine) as policy:
             long = asyncio.create_task(policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=80, seed=0)))
             short = asyncio.create_task(policy.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, seed=1)))
             g_short = await short
@@ -217,30 +259,26 @@ def test_short_request_resolves_before_long_one(model):
     assert len(g_short.ids) == 3 and len(g_long.ids) == 80
 
 
-def test_requests_arriving_mid_batch_join_it_and_decode_correctly(model):
+def test_requests_arriving_mid_batch_join_it_and_decode_correctly(model, engine):
     """Late requests start at the next step, share the running batch's passes, and their outputs are exactly
     what argmax decoding without cache gives (for prompts both longer and shorter than the running cache)."""
-    calls = count_forward_passes(model)
     long_prompt, late_prompts = [3, 1, 4, 1], [list(range(40, 70)), [9, 9]]
 
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             long = asyncio.create_task(policy.generate(long_prompt, GREEDY.replace(max_new_tokens=60)))
-            while calls[0] < 6:
+            while passes(policy) < 6:
                 await asyncio.sleep(0.001)
             late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=4)) for p in late_prompts))
             long_was_done = long.done()
-            return await long, late, long_was_done
+            return await long, late, long_was_done, passes(policy)
 
-    try:
-        g_long, late, long_was_done = run(main())
-    finally:
-        calls[1].remove()
+    g_long, late, long_was_done, calls = run(main())
     assert not long_was_done
     assert g_long.ids == greedy_by_hand(model, long_prompt, 60)
     for prompt, g in zip(late_prompts, late):
         assert g.ids == greedy_by_hand(model, prompt, 4)
-    assert calls[0] <= 60 + 2  # the late rows cost at most their prefill passes on top of the long request's 60
+    assert calls <= 60 + 2  # the late rows cost at most their prefill passes on top of the long request's 60
 
 
 def test_sliding_window_cache_keeps_late_requests_correct():
@@ -258,17 +296,18 @@ def test_sliding_window_cache_keeps_late_requests_correct():
             await asyncio.sleep(0.01)
             late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=n))
                                           for p, n in zip(PROMPTS, lengths)))
-            return await long, late
+            return await long, late, policy.fast_path_reason
 
-    long, late = run(main())
+    long, late, reason = run(main())
+    assert reason.startswith("off") and "sliding-window" in reason  # the fast path does not serve this module
     assert long.ids == greedy_by_hand(sliding, [3, 1, 4, 1], 30)
     for prompt, n, g in zip(PROMPTS, lengths, late):
         assert g.ids == greedy_by_hand(sliding, prompt, n)
 
 
-def test_max_batch_size_bounds_rows_in_flight(model):
+def test_max_batch_size_bounds_rows_in_flight(model, engine):
     async def main():
-        async with HFPolicy(model, max_batch_size=2) as policy:
+        async with HFPolicy(model, max_batch_size=2, **engine) as policy:
             return await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=5)) for p in PROMPTS))
 
     for prompt, g in zip(PROMPTS, run(main())):
@@ -276,11 +315,11 @@ def test_max_batch_size_bounds_rows_in_flight(model):
 
 
 # ------------------------------------------------------------------------------------------------- seeds
-def test_same_seed_same_tokens_different_seed_different_tokens(model):
+def test_same_seed_same_tokens_different_seed_different_tokens(model, engine):
     params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234)
 
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             alone = await policy.generate(PROMPTS[0], params)
             together = await asyncio.gather(policy.generate(PROMPTS[0], params), policy.generate(PROMPTS[2], params),
                                             policy.generate(PROMPTS[0], params))
@@ -292,9 +331,9 @@ def test_same_seed_same_tokens_different_seed_different_tokens(model):
     assert other.ids != alone.ids
 
 
-def test_generate_many_gives_a_group_distinct_reproducible_seeds(model):
+def test_generate_many_gives_a_group_distinct_reproducible_seeds(model, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             params = SamplingParams(max_new_tokens=12, seed=7)
             return await policy.generate_many([PROMPTS[0]] * 3, params), await policy.generate_many([PROMPTS[0]] * 3,
                                                                                                     params)
@@ -305,14 +344,14 @@ def test_generate_many_gives_a_group_distinct_reproducible_seeds(model):
 
 
 # ------------------------------------------------------------------------------------------------- weights
-def test_shares_weights_with_the_trainer():
+def test_shares_weights_with_the_trainer(engine):
     model = tiny_model(seed=1).train()
     weight = model.lm_head.weight
     pointer = weight.data_ptr()
     target = 123
 
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             assert policy.model is model
             before = await policy.generate(PROMPTS[0], GREEDY)
             training_after_generation = model.training
@@ -333,11 +372,11 @@ def test_shares_weights_with_the_trainer():
     assert after.ids != before.ids
 
 
-def test_update_weights_copies_named_tensors():
+def test_update_weights_copies_named_tensors(engine):
     model = tiny_model(seed=2)
 
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             before = await policy.generate(PROMPTS[0], GREEDY)
             new = {name: torch.randn_like(p) for name, p in model.named_parameters() if "lm_head" in name}
             await policy.update_weights(new)
@@ -346,8 +385,6 @@ def test_update_weights_copies_named_tensors():
                 await policy.update_weights({"no.such.weight": torch.zeros(1)})
             with pytest.raises(NotImplementedError, match="tensors only"):
                 await policy.update_weights(model_path="/some/checkpoint")
-            with pytest.raises(NotImplementedError, match="release"):
-                await policy.release_memory()
             await policy.flush_cache()  # nothing cached between requests: a no-op
             return before, after, new
 
@@ -357,17 +394,17 @@ def test_update_weights_copies_named_tensors():
 
 
 # ------------------------------------------------------------------------------------------------- failures
-def test_model_error_fails_every_pending_request_then_recovers():
+def test_model_error_fails_every_pending_request_then_recovers(engine):
     model = tiny_model(seed=3)
 
     def broken_forward(*args, **kwargs):
         raise RuntimeError("boom: CUDA out of memory (simulated)")
 
     async def main():
-        async with HFPolicy(model) as policy:
-            model.forward = broken_forward
+        async with HFPolicy(model, **engine) as policy:
+            break_mlp(model, broken_forward)
             results = await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS), return_exceptions=True)
-            del model.forward  # the class's forward again
+            restore_mlp(model)
             recovered = await policy.generate(PROMPTS[0], GREEDY)
             return results, recovered
 
@@ -377,9 +414,9 @@ def test_model_error_fails_every_pending_request_then_recovers():
     assert recovered.ids == greedy_by_hand(model, PROMPTS[0], 12)
 
 
-def test_error_during_decoding_fails_the_batch_without_hanging():
+def test_error_during_decoding_fails_the_batch_without_hanging(engine):
     model = tiny_model(seed=4)
-    original, calls = model.forward, [0]
+    original, calls = model.model.layers[0].mlp.forward, [0]
 
     def fails_on_third_call(*args, **kwargs):
         calls[0] += 1
@@ -388,8 +425,8 @@ def test_error_during_decoding_fails_the_batch_without_hanging():
         return original(*args, **kwargs)
 
     async def main():
-        async with HFPolicy(model) as policy:
-            model.forward = fails_on_third_call
+        async with HFPolicy(model, **engine) as policy:
+            break_mlp(model, fails_on_third_call)  # called once per pass (a graph capture warms up with calls)
             return await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS[:2]), return_exceptions=True)
 
     results = run(main(), timeout=20)
@@ -400,50 +437,47 @@ def test_error_during_decoding_fails_the_batch_without_hanging():
     ([], "empty"), ([1, VOCAB], "outside the vocabulary"), ([-1, 2], "outside the vocabulary"),
     ([1.0, 2], "integers"), ("hello", "not text"), (list(range(1, 65)), "no room"),
 ])
-def test_bad_prompts_are_rejected_clearly(model, prompt, message):
+def test_bad_prompts_are_rejected_clearly(model, prompt, message, engine):
     async def main():
-        async with HFPolicy(model, max_context_len=64) as policy:
+        async with HFPolicy(model, max_context_len=64, **engine) as policy:
             await policy.generate(prompt, GREEDY)
 
     with pytest.raises(ValueError, match=message):
         run(main())
 
 
-def test_stop_token_outside_vocabulary_is_rejected(model):
+def test_stop_token_outside_vocabulary_is_rejected(model, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             await policy.generate([1, 2], GREEDY.replace(stop_token_ids=(VOCAB + 5,)))
 
     with pytest.raises(ValueError, match="stop token"):
         run(main())
 
 
-def test_close_aborts_running_requests_and_rejects_new_ones(model):
-    calls = count_forward_passes(model)
-
+def test_close_aborts_running_requests_and_rejects_new_ones(model, engine):
     async def main():
-        policy = HFPolicy(model)
+        policy = HFPolicy(model, **engine)
         running = asyncio.create_task(policy.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=400)))
-        while calls[0] < 3:
+        while passes(policy) < 3:
             await asyncio.sleep(0.001)
         await policy.close()
         aborted = await running
         with pytest.raises(PolicyError, match="closed"):
             await policy.generate(PROMPTS[0], GREEDY)
+        with pytest.raises(PolicyError, match="closed"):
+            await policy.release_memory()
         return aborted, policy
 
-    try:
-        aborted, policy = run(main())
-    finally:
-        calls[1].remove()
+    aborted, policy = run(main())
     assert aborted.finish_reason == "abort"
     assert 0 < len(aborted.ids) < 400 and len(aborted.logprobs) == len(aborted.ids)
     assert not policy._thread.is_alive()
 
 
-def test_cancelled_request_does_not_disturb_the_others(model):
+def test_cancelled_request_does_not_disturb_the_others(model, engine):
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             doomed = asyncio.create_task(policy.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=300)))
             kept = asyncio.create_task(policy.generate(PROMPTS[1], GREEDY))
             await asyncio.sleep(0.02)
@@ -454,7 +488,7 @@ def test_cancelled_request_does_not_disturb_the_others(model):
 
 
 # ------------------------------------------------------------------------------------------------- integration
-def test_output_feeds_a_conversation(qwen25):
+def test_output_feeds_a_conversation(qwen25, engine):
     """With the real vocabulary: the sampled ids and logprobs go into a Conversation verbatim."""
     from mt_env.chat_format import ChatFormat
     from mt_env.conversation import Conversation
@@ -464,7 +498,7 @@ def test_output_feeds_a_conversation(qwen25):
     conversation = Conversation(fmt, [{"role": "user", "content": "What is 2+2?"}])
 
     async def main():
-        async with HFPolicy(model) as policy:
+        async with HFPolicy(model, **engine) as policy:
             params = SamplingParams(max_new_tokens=6, stop_token_ids=(fmt.end_of_turn_id,), seed=0)
             return await policy.generate(conversation.context_ids, params)
 
@@ -474,7 +508,7 @@ def test_output_feeds_a_conversation(qwen25):
     assert conversation.current.logprobs[-len(g.ids):] == g.logprobs
 
 
-def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model):
+def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model, engine):
     """A model whose embedding has more rows than the tokenizer has tokens must never sample a padding row, and its
     logprobs are over the real tokens only — the same quantity `PolicyModel(vocab_limit=...)` recomputes."""
     from trainers.modeling import PolicyModel
@@ -483,7 +517,7 @@ def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model):
     params = SamplingParams(temperature=1.5, max_new_tokens=40, seed=3)
 
     async def go():
-        async with HFPolicy(model, vocab_limit=limit) as policy:
+        async with HFPolicy(model, vocab_limit=limit, **engine) as policy:
             return await asyncio.gather(*(policy.generate([1, 2, 3, i], params.replace(seed=i)) for i in range(8)))
 
     gens = run(go())
@@ -497,4 +531,4 @@ def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model):
         lp, _ = PolicyModel(model, vocab_limit=limit)(seq, target, temperature=1.5)
     assert torch.allclose(lp[0, len(prompt):].cpu(), torch.tensor(gen.logprobs), atol=1e-4)
     with pytest.raises(ValueError, match="vocab_limit"):
-        HFPolicy(model, vocab_limit=VOCAB + 1)
+        HFPolicy(model, vocab_limit=VOCAB + 1, **engine)

@@ -1,0 +1,86 @@
+"""Inductor compilation of the fast path's decode-step functions (`agents.fast_decode`), with an eager fallback.
+
+Why: a decode step of a 24-layer decoder run op by op launches about 1,200 small kernels (transformers' RMSNorm,
+RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a CUDA graph each still costs ~2 us.
+`torch.compile` with Inductor fuses them into a few kernels per layer. How it is used:
+
+* **Default mode**: Inductor emits kernels and no CUDA graphs of its own, so the engine captures the compiled
+  step in its own graphs (per batch and length bucket).
+* **One compilation for every layer and bucket**: the functions take the layer module as an argument (dynamo
+  inlines ``nn.Module`` calls and lifts their parameters to graph inputs, so all layers share one compiled graph)
+  and are compiled with dynamic shapes (rows and attended length are symbolic). Dynamo still specializes a few
+  sizes: one row, and a slice that spans a whole dimension (a length bucket equal to the cache length) get their
+  own compilation.
+* **Process-wide**: dynamo caches compiled code per function, so every engine (and every model of the same
+  architecture and dtype) reuses it. `COMPILE_COUNTS` counts compilations and their seconds; engines report the
+  difference over their own calls.
+* **Eager fallback**: a function whose compilation fails (no C++ compiler for Inductor on CPU, no Triton, an
+  unsupported op) runs eagerly from then on; `Compiled.failure` says why.
+* Inductor's ``emulate_precision_casts``: bf16 intermediates are rounded where eager rounds them, so compiled steps
+  stay as close as possible to the module's own forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+#: compilations (dynamo frames compiled by Inductor) and the seconds Inductor spent on them, in this process
+COMPILE_COUNTS: dict[str, float] = {"compilations": 0, "compile_s": 0.0}
+#: room for every (model architecture x dtype x one-row x full-length) variant of a function; dynamo's default (8)
+#: would silently send later variants to eager
+RECOMPILE_LIMIT = 64
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+
+
+def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    """Inductor, counting its successful compilations (dynamo's restarted attempts raise and are not counted)."""
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor import config
+
+    start = time.perf_counter()
+    options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
+    compiled = compile_fx(graph, example_inputs, config_patches=options)
+    COMPILE_COUNTS["compilations"] += 1
+    COMPILE_COUNTS["compile_s"] += time.perf_counter() - start
+    return compiled
+
+
+class Compiled:
+    """`fn` compiled with Inductor (dynamic shapes), or `fn` itself once its compilation failed."""
+
+    def __init__(self, fn: Callable):
+        self.eager = fn
+        self.failure: str | None = None
+        self._compiled = torch.compile(fn, backend=_inductor, dynamic=True)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failure is None:
+            try:
+                with _recompile_room():
+                    return self._compiled(*args)
+            except torch._dynamo.exc.TorchDynamoException as e:  # compilation failed: the call did not run
+                self.failure = f"{self.eager.__name__}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+        return self.eager(*args)
+
+
+_COMPILED: dict[Callable, Compiled] = {}
+
+
+def compiled(fn: Callable) -> Compiled:
+    """The process's one `Compiled` of `fn` (created on first use)."""
+    if fn not in _COMPILED:
+        _COMPILED[fn] = Compiled(fn)
+    return _COMPILED[fn]
+
+
+def _recompile_room():
+    limits = torch._dynamo.config
+    name = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
+    if getattr(limits, name) >= RECOMPILE_LIMIT:
+        return contextlib.nullcontext()
+    return limits.patch(**{name: RECOMPILE_LIMIT})

@@ -1,0 +1,713 @@
+"""The fast decode path of `agents.hf_policy.HFPolicy`: a KV cache with one slot per row, a decode step captured in
+CUDA graphs, and the batched sampler that both of HFPolicy's paths use.
+
+Why: an eager transformers forward with a ``DynamicCache`` spends a decode step on Python and kernel launches
+(~36 ms per step on an H200 for a 0.5B model whatever the batch), re-pads the cache as rows join and leave, and
+expands K/V for grouped-query attention. This module runs the *same* `nn.Module` (no weight copy: after an
+optimizer step the next token sees the new weights) through its own layer loop:
+
+* **Supported modules** (`decoder_layout`): Llama-family decoders — ``llama``, ``qwen2``, ``qwen3`` (with its
+  ``q_norm``/``k_norm``) — with full attention in every layer and a position-only RoPE. The loop calls the module's
+  own submodules (``embed_tokens``, each layer's ``input_layernorm``, ``self_attn.{q,k,v,o}_proj``,
+  ``post_attention_layernorm``, ``mlp``, then ``norm``, ``rotary_emb``, ``lm_head``) and the modeling file's own
+  ``apply_rotary_pos_emb``. Anything else raises `UnsupportedModel` with the reason; HFPolicy then keeps its
+  transformers path.
+* **Slot KV cache** (`SlotEngine`): per layer, K and V of shape [slots, kv_heads, max_cache_len, head_dim] in the
+  module's dtype, zero-initialised (masked positions are multiplied by 0 in attention: they must hold finite
+  values), allocated on first use and freeable (`SlotEngine.release`). Row *i* of a decode batch is slot *i*: a
+  step over a batch bucket of B rows reads ``K[:B, :, :L]`` as a view, L being the filled length rounded up to a
+  multiple of ``length_step``. Rows join by prefilling into free slots and leave by freeing theirs; nothing is
+  re-padded. `SlotTable` (host side) hands out the lowest free slots and, when the rows left would fit a smaller
+  batch bucket, plans moves of the few rows above it into free slots below it (`SlotEngine.move` copies only
+  those rows' KV).
+* **Prefill** is eager: prompts right-padded into one tensor, causal attention (right padding keeps real tokens
+  from seeing padding; the padding's own K/V land beyond each row's length, where they are masked and later
+  overwritten), K/V written straight into the rows' slots, the LM head only at each row's last real position.
+* **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_and_sample`; run eagerly
+  or captured): the new token's K/V are written in place at each row's own position; attention without expanding
+  K/V — the query heads of one KV head are laid out as that head's query positions ([B, kv_heads, group,
+  head_dim]) and one SDPA call with a [B, 1, 1, L] additive length mask (built once per step) serves them all; then
+  sampling (below); then each live slot's next input token and length advance on the device. On CUDA the three
+  functions are compiled by Inductor (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one
+  compilation for all layers and buckets; eager where compilation fails) and the step is captured per (batch
+  bucket, length bucket, sampling mode) into a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, where
+  compilation happens; all graphs sharing one memory pool) whose inputs and outputs are the engine's persistent
+  per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a module
+  whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
+  addresses (`SlotEngine.check_module`) and the graphs are captured again (checked before each prefill: weights
+  change between generations). A step that cannot be captured runs eagerly (`SlotEngine.capture_failure`).
+* **Sampling** (`sample_tokens`): for the whole batch at once on the device: ``log_softmax(logits / T)`` (T = 1
+  for greedy rows, which take the argmax), then inverse-CDF sampling with one uniform number per row drawn on the
+  host from the row's own ``random.Random`` — the same draws whatever the path, so a seed gives the same tokens
+  on both, whatever else is in the batch. Top-k/top-p need a sort of the vocabulary: only the ``"truncate"``
+  mode (used when some row asks for it) sorts, to find each row's kept set; the CDF always runs in vocabulary
+  order (near-ties that two computations sort differently would otherwise swap tokens).
+
+Per step the host only sends the sampled rows' uniform numbers (one small copy; none for an all-greedy step) and
+reads back each slot's token and logprob (one copy); tokens, lengths and sampling parameters stay on the device,
+set when a row is prefilled or moved. No pinned host memory: freeing it records CUDA events, which must not
+happen during a capture or after the CUDA runtime is gone at exit. A pass that fails (an exception, NaN logits) frees its rows' slots and zeroes their KV, so
+that no non-finite value is left where a later row's mask hides it.
+
+Choices worth knowing: not transformers' ``StaticCache`` (one length for the whole batch, no slot to join or
+leave by); the module is checked for reallocated parameters before each prefill rather than before each replay
+(walking its parameters costs about as much as a tenth of a decode step); prefill K/V are expanded to all query
+heads for SDPA (``enable_gqa`` is not served by every SDPA backend, and prefill is not the bottleneck), decode
+never expands them; an all-greedy batch uses a ``"greedy"`` graph that skips the CDF.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compiling import COMPILE_COUNTS, compiled
+from .policy import GenerationError, SamplingParams
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+#: RoPE variants whose cos/sin depend on the positions only (``dynamic`` and ``longrope`` also depend on the length)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SAMPLING_MODES = ("greedy", "sample", "truncate")
+#: most padded tokens (rows x longest prompt) per prefill pass: bounds the activations of one pass
+PREFILL_TOKENS = 32768
+#: default `max_cache_len` cap: every slot holds this many tokens, so the cache is slots x this x per-token size
+DEFAULT_MAX_CACHE_LEN = 4096
+WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
+
+
+class UnsupportedModel(ValueError):
+    """The module cannot take the fast path; the message says why."""
+
+
+# --------------------------------------------------------------------------------------------- the module's layout
+@dataclass(frozen=True)
+class DecoderLayout:
+    """The parts of a Llama-family causal LM that the fast path calls (the module's own submodules)."""
+
+    embed: nn.Module
+    layers: Sequence[nn.Module]
+    norm: nn.Module
+    rotary: nn.Module
+    lm_head: nn.Module
+    apply_rope: Callable
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    qk_norm: bool
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def decoder_layout(model: nn.Module) -> DecoderLayout:
+    """The fast path's view of `model`, or `UnsupportedModel` saying what stands in the way."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(f"model type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise UnsupportedModel("the module is quantized")
+    if any(hasattr(m, "_hf_hook") for m in model.modules()):
+        raise UnsupportedModel("the module has accelerate hooks (device_map / offloading)")
+    body = getattr(model, "model", None)
+    parts = {name: getattr(body, name, None) for name in ("embed_tokens", "layers", "norm", "rotary_emb")}
+    if any(part is None for part in parts.values()) or getattr(model, "lm_head", None) is None:
+        raise UnsupportedModel("the module lacks model.{embed_tokens,layers,norm,rotary_emb} or lm_head")
+    rope_type = getattr(parts["rotary_emb"], "rope_type", "default")
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise UnsupportedModel(f"RoPE type {rope_type!r} depends on the sequence length")
+    layers = list(parts["layers"])[:config.num_hidden_layers]
+    for i, layer in enumerate(layers):
+        _check_layer(i, layer, qk_norm=model_type == "qwen3")
+    attn = layers[0].self_attn
+    apply_rope = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    if apply_rope is None:
+        raise UnsupportedModel(f"{type(attn).__module__} has no apply_rotary_pos_emb")
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    if heads % kv_heads:
+        raise UnsupportedModel(f"{heads} attention heads are not a multiple of {kv_heads} KV heads")
+    return DecoderLayout(parts["embed_tokens"], layers, parts["norm"], parts["rotary_emb"], model.lm_head,
+                         apply_rope, heads, kv_heads, attn.head_dim, float(attn.scaling), model_type == "qwen3")
+
+
+def _check_layer(i: int, layer: nn.Module, qk_norm: bool) -> None:
+    attn = getattr(layer, "self_attn", None)
+    needed = [(layer, "input_layernorm"), (layer, "post_attention_layernorm"), (layer, "mlp"),
+              *((attn, name) for name in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling"))]
+    if qk_norm:
+        needed += [(attn, "q_norm"), (attn, "k_norm")]
+    missing = [name for owner, name in needed if getattr(owner, name, None) is None]
+    if missing:
+        raise UnsupportedModel(f"layer {i} lacks {missing}")
+    if getattr(attn, "sliding_window", None) is not None:
+        raise UnsupportedModel(f"layer {i} uses sliding-window attention")
+
+
+# --------------------------------------------------------------------------------------------- sampling
+def sampling_mode(params: Sequence[SamplingParams]) -> str:
+    """The cheapest `sample_tokens` mode serving all these rows: greedy < sample < truncate (top-k/top-p)."""
+    sampled = [p for p in params if not p.greedy]
+    if not sampled:
+        return "greedy"
+    return "truncate" if any(p.top_k != -1 or p.top_p < 1 for p in sampled) else "sample"
+
+
+def cdf_dtype(device: torch.device) -> torch.dtype:
+    """Inverse-CDF sampling accumulates in float64 (float32 where the device has no float64)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
+@dataclass
+class RowSampling:
+    """Per-row sampling inputs for one pass, in row order; the uniforms are drawn from each row's own generator."""
+
+    temperature: list[float]
+    top_k: list[int]  #: the vocabulary size when off
+    top_p: list[float]  #: inf when off
+    uniform: list[float]  #: 0 for greedy rows (they draw nothing)
+    mode: str
+
+    @classmethod
+    def draw(cls, params: Sequence[SamplingParams], generators: Sequence[random.Random], vocab: int) -> RowSampling:
+        return cls([p.temperature for p in params], [p.top_k if p.top_k > 0 else vocab for p in params],
+                   [p.top_p if p.top_p < 1 else float("inf") for p in params],
+                   [0.0 if p.greedy else g.random() for p, g in zip(params, generators)], sampling_mode(params))
+
+    def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(temperature float32, uniform, top_k long, top_p float32) on `device`."""
+        return (torch.tensor(self.temperature, dtype=torch.float32).to(device),
+                torch.tensor(self.uniform, dtype=cdf_dtype(device)).to(device),
+                torch.tensor(self.top_k, dtype=torch.long).to(device),
+                torch.tensor(self.top_p, dtype=torch.float32).to(device))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of float32 `logits` [rows, vocab] and ``log_softmax(logits / T)`` of it.
+
+    Rows with ``temperature == 0`` take the argmax (their logprob is ``log_softmax(logits)``); the others sample
+    by inverse CDF with their `uniform` number, after their own `top_k` [rows] (vocab = off) and `top_p` [rows]
+    (inf = off) in ``"truncate"`` mode. No host synchronisation and no data-dependent shapes: CUDA graphs can
+    capture it. A NaN in a row's logits makes its logprob NaN (the caller checks).
+    """
+    if mode not in SAMPLING_MODES:
+        raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
+    greedy = temperature == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if mode != "greedy":
+        probs = logprobs.exp()
+        if mode == "truncate":
+            probs = _truncate(probs, top_k, top_p)
+        cdf = probs.to(uniform.dtype).cumsum(dim=-1)
+        total = cdf[:, -1]
+        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+        # NaN logits would make the index point past the vocabulary: clamp it (the NaN logprob reports them).
+        choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
+        tokens = torch.where(greedy, tokens, choice.squeeze(1))
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """`probs` with the tokens outside each row's top-k / top-p set zeroed, still in vocabulary order.
+
+    The set comes from a (stable, descending) sort; sampling then runs in vocabulary order, so two tokens of
+    nearly equal probability that two computations sort differently change nothing unless they straddle the
+    cut (sampling in sorted order would swap their CDF intervals)."""
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=probs.device)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    keep = (rank[None, :] < top_k[:, None]) & (mass_before < top_p[:, None])
+    return probs * torch.empty_like(keep).scatter_(1, order, keep)
+
+
+# --------------------------------------------------------------------------------------------- the decode step
+# Module-level functions of tensors and the module's own submodules: run eagerly, or compiled once per process for
+# every layer, bucket and engine (`agents.compiling`); a CUDA graph captures either.
+def attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope: Callable,
+                     qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys (RoPE applied) and values, [rows, heads, time, head_dim], as the module's attention does."""
+    shape = (*h.shape[:-1], -1, attn.head_dim)
+    q, k = attn.q_proj(h).view(shape), attn.k_proj(h).view(shape)
+    if qk_norm:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k = apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q, k, attn.v_proj(h).view(shape).transpose(1, 2)
+
+
+def step_inputs(embed: nn.Module, rotary: nn.Module, tokens: torch.Tensor, lengths: torch.Tensor, length: int):
+    """A decode step's inputs: embeddings [rows, 1, hidden] of each row's next token, RoPE cos/sin at its position,
+    the positions (within the `length` attended, even for a stale free slot) and the additive length mask
+    [rows, 1, 1, length] (built once per step, used by every layer)."""
+    at = lengths.clamp(max=length - 1)
+    x = embed(tokens[:, None])
+    cos, sin = rotary(x, at[:, None])
+    hidden = (torch.arange(length, device=x.device)[None, :] > at[:, None])[:, None, None, :]
+    mask = torch.zeros(hidden.shape, dtype=x.dtype, device=x.device).masked_fill_(hidden, float("-inf"))
+    return x, cos, sin, at, mask
+
+
+def decode_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, at: torch.Tensor,
+                 mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, apply_rope: Callable,
+                 qk_norm: bool) -> torch.Tensor:
+    """One decoder layer for one token per row (slots [0, rows)): its K/V written at each row's position `at` in
+    the layer's cache, attention over the first ``mask.shape[-1]`` positions without expanding K/V (a KV head's
+    query heads laid out as that head's queries, [rows, kv_heads, groups, head_dim]), then the MLP."""
+    attn, rows, length = layer.self_attn, x.shape[0], mask.shape[-1]
+    q, k, v = attention_inputs(attn, layer.input_layernorm(x), cos, sin, apply_rope, qk_norm)
+    kv_heads = k.shape[1]
+    slot, head = torch.arange(rows, device=x.device)[:, None], torch.arange(kv_heads, device=x.device)[None, :]
+    keys.index_put_((slot, head, at[:, None]), k[:, :, 0])  # in place on the whole cache: no copy when compiled
+    values.index_put_((slot, head, at[:, None]), v[:, :, 0])
+    q = q.reshape(rows, kv_heads, -1, q.shape[-1])
+    out = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length], attn_mask=mask,
+                                         scale=attn.scaling)
+    x = x + attn.o_proj(out.reshape(rows, 1, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def head_and_sample(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, vocab: int, temperature: torch.Tensor,
+                    uniform: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                    mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The final norm, the LM head over the first `vocab` ids (float32) and `sample_tokens`."""
+    logits = lm_head(norm(x))[:, 0, :vocab].float()
+    return sample_tokens(logits, temperature, uniform, top_k, top_p, mode)
+
+
+STEP_FUNCTIONS = (step_inputs, decode_layer, head_and_sample)
+
+
+# --------------------------------------------------------------------------------------------- slot bookkeeping
+def batch_buckets(max_slots: int) -> list[int]:
+    """Decode batch sizes with a graph each: powers of two from 2 to 32, multiples of 32 to 256, then of 64, and
+    `max_slots` itself (at most 32 padding rows up to 256, at most 64 beyond). A single row runs in a batch of 2:
+    the step costs the same, and dynamo would compile a batch of one as a case of its own."""
+    if max_slots < 1:
+        raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+    sizes = [2, 4, 8, 16, 32, *range(64, 257, 32), *range(320, max_slots + 1, 64)]
+    return sorted({s for s in sizes if s < max_slots} | {max_slots})
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket holding `n` rows (0 rows: 0)."""
+    if n == 0:
+        return 0
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
+
+
+class SlotTable:
+    """Which row holds which KV slot (host side; the KV itself lives in `SlotEngine`).
+
+    Invariants (property-tested): a row holds at most one slot; `acquire` hands out the lowest free slots; after
+    `compact`, every row lies below ``bucket_for(count)``, rows that did not move keep their slots, and no row is
+    lost.
+    """
+
+    def __init__(self, size: int):
+        self.buckets = batch_buckets(size)
+        self._rows: list[Any] = [None] * size
+
+    @property
+    def size(self) -> int:
+        return len(self._rows)
+
+    def occupied(self) -> list[tuple[int, Any]]:
+        """(slot, row) of every held slot, by slot."""
+        return [(slot, row) for slot, row in enumerate(self._rows) if row is not None]
+
+    def free_count(self) -> int:
+        return self._rows.count(None)
+
+    def held_count(self) -> int:
+        return len(self._rows) - self._rows.count(None)
+
+    def acquire(self, rows: Sequence[Any]) -> list[int]:
+        """Give each of `rows` one of the lowest free slots; returns the slots in row order."""
+        free = [slot for slot, row in enumerate(self._rows) if row is None][:len(rows)]
+        if len(free) < len(rows):
+            raise ValueError(f"{len(rows)} rows but only {len(free)} free slots")
+        for slot, row in zip(free, rows):
+            self._rows[slot] = row
+        return free
+
+    def release(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if self._rows[slot] is None:
+                raise ValueError(f"slot {slot} is not held")
+            self._rows[slot] = None
+
+    def bucket(self) -> int:
+        """The batch bucket a decode step needs: it covers the highest held slot (0 when none is held)."""
+        top = next((slot for slot in range(len(self._rows) - 1, -1, -1) if self._rows[slot] is not None), -1)
+        return bucket_for(top + 1, self.buckets)
+
+    def compact(self) -> list[tuple[int, int]]:
+        """Move rows held above the bucket their count needs into the lowest free slots below it; returns the
+        (from, to) moves, already applied here (the caller moves the KV)."""
+        target = bucket_for(self.held_count(), self.buckets)
+        if self.bucket() <= target:
+            return []
+        free = [slot for slot in range(target) if self._rows[slot] is None]
+        above = [slot for slot in range(target, len(self._rows)) if self._rows[slot] is not None]
+        moves = list(zip(above, free))
+        for src, dst in moves:
+            self._rows[dst], self._rows[src] = self._rows[src], None
+        return moves
+
+
+def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Indices of `lengths` grouped for prefill passes: sorted by length (less padding), each group's padded size
+    (rows x longest) within `max_tokens` (a longer prompt gets a group of its own)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+# --------------------------------------------------------------------------------------------- the engine
+@dataclass
+class _SlotState:
+    """Device tensors, one entry per slot (the KV cache per layer and the decode step's inputs and outputs).
+
+    The per-slot buffers have one spare entry past the last slot, never a row's: a step's views of them (the first
+    `rows` entries) then never span a whole buffer, which dynamo would compile as a case of its own."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    tokens: torch.Tensor  #: long: the token each slot feeds next
+    lengths: torch.Tensor  #: long: filled cache positions (= the position of that next token)
+    live: torch.Tensor  #: bool: the slot holds a row (free slots do not advance)
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    uniform: torch.Tensor  #: this step's uniform number per slot
+    out: torch.Tensor  #: float64 [2, slots]: sampled token, its logprob
+    per_slot: tuple[torch.Tensor, ...] = field(init=False)
+
+    def __post_init__(self):
+        self.per_slot = (self.tokens, self.lengths, self.live, self.temperature, self.top_k, self.top_p)
+
+
+class SlotEngine:
+    """The slot KV cache, prefill, and the (graph-captured) decode step for one module; see the module docstring.
+
+    Slots are indices in [0, max_slots); the caller (HFPolicy with a `SlotTable`) decides which rows hold them.
+    `compile`: run the decode step's functions compiled by Inductor (`agents.compiling`). `stats` is the caller's
+    counter dict: this adds ``graph_captures``, ``graph_replays``, ``module_reallocations``, ``compilations`` and
+    ``compile_s`` (those this engine's steps triggered), ``capture_failures``.
+    """
+
+    def __init__(self, model: nn.Module, layout: DecoderLayout, *, max_slots: int, max_cache_len: int,
+                 vocab_size: int, cuda_graphs: bool = True, compile: bool = False, length_step: int = 256,
+                 stats: dict[str, int] | None = None):
+        if max_slots < 1 or max_cache_len < 2 or length_step < 1:
+            raise ValueError(f"need max_slots >= 1, max_cache_len >= 2, length_step >= 1; got {max_slots}, "
+                             f"{max_cache_len}, {length_step}")
+        self.model, self.layout = model, layout
+        self.max_slots, self.max_cache_len, self.vocab_size = max_slots, max_cache_len, vocab_size
+        self.cuda_graphs, self.length_step = cuda_graphs, length_step
+        self.stats = stats if stats is not None else {}
+        for key in ("graph_captures", "graph_replays", "module_reallocations", "compilations", "compile_s",
+                    "capture_failures"):
+            self.stats.setdefault(key, 0)
+        self._step_functions = tuple(compiled(fn) for fn in STEP_FUNCTIONS) if compile else STEP_FUNCTIONS
+        self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
+        self._state: _SlotState | None = None
+        self._graphs: dict[tuple[int, int, str], Any] = {}
+        self._pool: Any = None
+        self._side_stream: Any = None
+        self._module_key: tuple | None = None  #: (device, dtype, parameter addresses) the cache and graphs are for
+
+    # ------------------------------------------------------------------------------------- memory
+    @property
+    def allocated(self) -> bool:
+        return self._state is not None
+
+    @property
+    def graphs(self) -> int:
+        """Decode steps captured so far (one per batch bucket, length bucket and sampling mode used)."""
+        return len(self._graphs)
+
+    def cache_bytes(self) -> int:
+        """Size of the KV cache when allocated."""
+        lay = self.layout
+        itemsize = torch.empty(0, dtype=_kv_dtype(self.layout)).element_size()
+        return 2 * len(lay.layers) * self.max_slots * lay.kv_heads * self.max_cache_len * lay.head_dim * itemsize
+
+    def allocate(self) -> None:
+        """Create the KV cache and slot buffers (a no-op when they exist)."""
+        if self._state is not None:
+            return
+        self.check_module(busy=False)
+        device, dtype, lay, n = _module_device(self.model), _kv_dtype(self.layout), self.layout, self.max_slots
+        shape = (n, lay.kv_heads, self.max_cache_len, lay.head_dim)
+        try:
+            keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in lay.layers]
+            values = [torch.zeros(shape, dtype=dtype, device=device) for _ in lay.layers]
+        except torch.cuda.OutOfMemoryError as e:
+            raise GenerationError(f"the fast path's KV cache ({self.cache_bytes() / 2**30:.1f} GiB for {n} slots x "
+                                  f"{self.max_cache_len} tokens) does not fit: lower max_batch_size or "
+                                  f"max_cache_len") from e
+        n += 1  # the spare entry (see _SlotState)
+        self._state = _SlotState(
+            keys, values, tokens=torch.zeros(n, dtype=torch.long, device=device),
+            lengths=torch.zeros(n, dtype=torch.long, device=device),
+            live=torch.zeros(n, dtype=torch.bool, device=device),
+            temperature=torch.ones(n, dtype=torch.float32, device=device),
+            top_k=torch.full((n,), self.vocab_size, dtype=torch.long, device=device),
+            top_p=torch.full((n,), float("inf"), dtype=torch.float32, device=device),
+            uniform=torch.zeros(n, dtype=cdf_dtype(device), device=device),
+            out=torch.zeros(2, n, dtype=torch.float64, device=device))
+
+    def release(self) -> None:
+        """Drop the KV cache, buffers and graphs (they come back on the next prefill, or `allocate`)."""
+        self._state, self._graphs, self._pool, self._side_stream = None, {}, None, None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def check_module(self, busy: bool) -> None:
+        """Notice reallocated parameters (graphs are captured again) or a module moved to another device or dtype
+        (the cache is dropped; impossible while rows are decoding: `busy`).
+
+        HFPolicy calls it before each prefill: weights change between generations (optimizer steps must not run
+        while a generation is in flight), and every generation starts with a prefill. Walking the module's
+        parameters costs ~0.7 ms for a 24-layer model, too much for every decode step."""
+        key = _module_key(self.model, self.layout)
+        if key == self._module_key:
+            return
+        if self._module_key is not None:
+            self.stats["module_reallocations"] += 1
+            self._graphs = {}
+            if key[:2] != self._module_key[:2] and self._state is not None:
+                if busy:
+                    raise GenerationError(f"the module moved from {self._module_key[:2]} to {key[:2]} while rows "
+                                          f"were decoding")
+                self.release()
+        self._module_key = key
+
+    # ------------------------------------------------------------------------------------- slots
+    def free(self, slots: Sequence[int], clear: bool = False) -> None:
+        """Mark slots free (they no longer advance); `clear` also zeroes their KV (after a failed pass, whose
+        garbage could be non-finite)."""
+        if self._state is None or not slots:
+            return
+        s = self._state
+        index = torch.tensor(list(slots), dtype=torch.long, device=s.live.device)
+        s.live.index_fill_(0, index, False)
+        s.lengths.index_fill_(0, index, 0)
+        if clear:
+            for cache in (*s.keys, *s.values):
+                cache.index_fill_(0, index, 0)
+
+    def move(self, moves: Sequence[tuple[int, int]], filled: int) -> None:
+        """Copy each (from, to) slot's first `filled` KV positions and its per-slot state, then free `from`."""
+        if not moves:
+            return
+        s = self._state
+        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=s.live.device)
+        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=s.live.device)
+        for cache in (*s.keys, *s.values):
+            part = cache[:, :, :filled]
+            part.index_copy_(0, dst, part.index_select(0, src))
+        for buffer in s.per_slot:
+            buffer.index_copy_(0, dst, buffer.index_select(0, src))
+        self.free([a for a, _ in moves])
+
+    def slot_lengths(self) -> list[int]:
+        """Filled cache positions per slot (reads the device)."""
+        return self._state.lengths[:self.max_slots].tolist() if self._state is not None else [0] * self.max_slots
+
+    def kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s K and V caches [slots, kv_heads, max_cache_len, head_dim] (for inspection)."""
+        return self._state.keys[layer], self._state.values[layer]
+
+    def length_bucket(self, need: int) -> int:
+        """Cache positions a step attends to: `need` rounded up to `length_step`, at most `max_cache_len`."""
+        if not 0 < need <= self.max_cache_len:
+            raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_cache_len}")
+        return min(self.max_cache_len, -(-need // self.length_step) * self.length_step)
+
+    # ------------------------------------------------------------------------------------- passes
+    def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
+                sampling: RowSampling) -> tuple[list[int], list[float]]:
+        """Prefill `prompts` into `slots` (one eager pass), sample each row's first token; returns the tokens and
+        their logprobs. The slots then feed those tokens at the prompts' lengths."""
+        self.allocate()
+        s, lay = self._state, self.layout
+        device = s.live.device
+        width = max(len(p) for p in prompts)
+        if width > self.max_cache_len:
+            raise ValueError(f"a prompt of {width} tokens exceeds max_cache_len {self.max_cache_len}")
+        n = len(prompts)
+        ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long).to(device)
+        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long).to(device)
+        index = torch.tensor(list(slots), dtype=torch.long).to(device)
+        x = lay.embed(ids)
+        cos, sin = lay.rotary(x, torch.arange(width, device=device)[None, :].expand(n, width))
+        for layer, keys, values in zip(lay.layers, s.keys, s.values):
+            q, k, v = attention_inputs(layer.self_attn, layer.input_layernorm(x), cos, sin, lay.apply_rope,
+                                       lay.qk_norm)
+            keys[:, :, :width].index_copy_(0, index, k)
+            values[:, :, :width].index_copy_(0, index, v)
+            k, v = k.repeat_interleave(lay.groups, dim=1), v.repeat_interleave(lay.groups, dim=1)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=lay.scaling)
+            x = x + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(n, width, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        last = x[torch.arange(n, device=device), lengths - 1]
+        logits = lay.lm_head(lay.norm(last))[:, :self.vocab_size].float()
+        temperature, uniform, top_k, top_p = sampling.tensors(device)
+        tokens, logprobs = sample_tokens(logits, temperature, uniform, top_k, top_p, sampling.mode)
+        for buffer, value in zip(s.per_slot, (tokens, lengths, torch.ones_like(tokens, dtype=torch.bool),
+                                              temperature, top_k, top_p)):
+            buffer.index_copy_(0, index, value)
+        return tokens.tolist(), logprobs.tolist()
+
+    @property
+    def compile_reason(self) -> str:
+        """Whether the decode step runs compiled, and why not where it does not."""
+        if self._step_functions is STEP_FUNCTIONS:
+            return "off: eager decode step"
+        failures = [fn.failure for fn in self._step_functions if fn.failure]
+        if not failures:
+            return "on: decode step compiled by Inductor"
+        return f"{'off' if len(failures) == len(STEP_FUNCTIONS) else 'partly off'}: {'; '.join(failures)}"
+
+    def step(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> tuple[list, list]:
+        """One decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding): each
+        live slot feeds its next token and samples one. `need`: the most cache positions a live row attends to
+        (its filled length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn). Returns the
+        token and logprob of every slot."""
+        s = self._state
+        length = self.length_bucket(need)
+        if uniforms is None and mode != "greedy":
+            raise ValueError(f"a {mode!r} step needs one uniform number per slot")
+        with _on_device(s.live.device):
+            if uniforms is not None:  # a plain (synchronous) copy: the device is idle between steps anyway
+                s.uniform[:rows].copy_(torch.tensor(uniforms, dtype=s.uniform.dtype))
+            if self.cuda_graphs and s.live.device.type == "cuda" and self.capture_failure is None:
+                self._replay((rows, length, mode))
+            else:
+                self._run_decode(rows, length, mode)
+            out = s.out[:, :rows].cpu()
+        return out[0].long().tolist(), out[1].tolist()
+
+    def _run_decode(self, rows: int, length: int, mode: str) -> None:
+        """`_decode` outside a capture, adding the compilations it triggers to `stats`."""
+        before = dict(COMPILE_COUNTS)
+        try:
+            self._decode(rows, length, mode)
+        finally:
+            self.stats["compilations"] += COMPILE_COUNTS["compilations"] - before["compilations"]
+            self.stats["compile_s"] += COMPILE_COUNTS["compile_s"] - before["compile_s"]
+
+    def _decode(self, rows: int, length: int, mode: str) -> None:
+        """The decode step over slots [0, rows) attending to `length` positions: what a CUDA graph captures."""
+        s, lay = self._state, self.layout
+        inputs, layer_step, head = self._step_functions
+        tokens, lengths, live = s.tokens[:rows], s.lengths[:rows], s.live[:rows]
+        x, cos, sin, at, mask = inputs(lay.embed, lay.rotary, tokens, lengths, length)
+        for layer, keys, values in zip(lay.layers, s.keys, s.values):
+            x = layer_step(layer, x, cos, sin, at, mask, keys, values, lay.apply_rope, lay.qk_norm)
+        token, logprob = head(lay.norm, lay.lm_head, x, self.vocab_size, s.temperature[:rows], s.uniform[:rows],
+                              s.top_k[:rows], s.top_p[:rows], mode)
+        s.out[0, :rows] = token
+        s.out[1, :rows] = logprob
+        tokens.copy_(torch.where(live, token, tokens))
+        lengths.add_(live)
+
+    # ------------------------------------------------------------------------------------- CUDA graphs
+    def _replay(self, key: tuple[int, int, str]) -> None:
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._warm_up(key)  # an error here is the step's own: it propagates
+            try:
+                graph = self._capture(key)
+            except Exception as e:  # the step runs eagerly but cannot be captured: run every step eagerly
+                self.capture_failure = f"{type(e).__name__}: {str(e).strip()[:300]}"
+                self.stats["capture_failures"] += 1
+                self._run_decode(*key)
+                return
+        graph.replay()
+        self.stats["graph_replays"] += 1
+
+    def _warm_up(self, key: tuple[int, int, str]) -> None:
+        """Run the step eagerly on the side stream (cuBLAS handles and workspaces get created; a compiled step
+        compiles and autotunes here, never during capture), then restore the tokens and lengths it advanced."""
+        s = self._state
+        device = s.live.device
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+            self._pool = torch.cuda.graph_pool_handle()
+        saved = s.tokens.clone(), s.lengths.clone()
+        side = self._side_stream
+        side.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(WARMUP_STEPS):
+                    self._run_decode(*key)
+        finally:  # also after an error: later work on the current stream must not overtake the warm-up
+            torch.cuda.current_stream(device).wait_stream(side)
+            s.tokens.copy_(saved[0])
+            s.lengths.copy_(saved[1])
+
+    def _capture(self, key: tuple[int, int, str]):
+        """Capture the warmed-up step. The captured step reads and writes only the persistent slot buffers.
+
+        The capture is ``thread_local``: other threads may use CUDA meanwhile (HFPolicy's callers, a trainer). The
+        garbage collector is paused during it: a collection on this thread could free tensors whose release
+        records CUDA events (pinned host memory used by asynchronous copies), which a capture forbids."""
+        graph = torch.cuda.CUDAGraph()
+        with _gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
+                                            capture_error_mode="thread_local"):
+            self._decode(*key)
+        self._graphs[key] = graph
+        self.stats["graph_captures"] += 1
+        return graph
+
+
+# --------------------------------------------------------------------------------------------- helpers
+def _module_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _kv_dtype(layout: DecoderLayout) -> torch.dtype:
+    return layout.layers[0].self_attn.k_proj.weight.dtype
+
+
+def _module_key(model: nn.Module, layout: DecoderLayout) -> tuple:
+    addresses = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+    return _module_device(model), _kv_dtype(layout), addresses
+
+
+@contextlib.contextmanager
+def _gc_paused():
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _on_device(device: torch.device):
+    """``torch.cuda.device(device)`` for a CUDA device (a graph replays on the current device's stream)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

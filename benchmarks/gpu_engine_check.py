@@ -1,0 +1,393 @@
+"""GPU check of HFPolicy's fast path (`agents.fast_decode`) against its transformers path, in one run.
+
+For the Qwen2.5-0.5B shape (random init) in each dtype (default bf16 and fp32):
+
+* ``equality``: greedy continuations (``--new-tokens``, default 64) of ``--prompts`` (default 64) random prompts of
+  8-300 tokens, all in one batch, on the transformers path and on the fast path as it runs by default (decode step
+  compiled by Inductor, captured in CUDA graphs): share of identical continuations (goal: >= 0.95 in bf16, 1.0 in
+  fp32), where they first differ, the largest logprob difference over the tokens before that; the compilation's
+  count and seconds, and the fast run's wall time (compilation and captures included).
+* ``graphs_vs_eager``: the fast path with and without CUDA graphs (a graph replays the eager step's kernels:
+  expect identical output).
+* ``compiled_vs_uncompiled``: the fast path with and without Inductor (fused kernels round bf16 differently in
+  places: expect (nearly) identical output in fp32, the noise floor's kind of differences in bf16).
+* ``noise_floor`` (bf16): the transformers path itself, the first 16 prompts in a batch of their own vs in the
+  batch of all: how often bf16 rounding alone (other padding, other batch shapes) changes a greedy continuation.
+  On random weights near-ties are everywhere, so the equality goal is only measurable on a trained model (below).
+* ``step_times``: one decode step (graph replay, plus the step's host work and copies) per batch bucket and
+  length bucket, in ms and tokens/s; for comparison at one or two buckets: the uncompiled step in graphs, the
+  compiled step without graphs, greedy and top-k modes.
+* ``weights`` (last: it changes the weights): after an in-place change of ``lm_head`` the fast path's output
+  changes, equals the transformers path's on the new weights, and no graph is captured again (the graphs read the
+  parameters in place); after ``load_state_dict(assign=True)`` (new tensors) the policy notices the reallocation,
+  captures again, and again equals the transformers path.
+
+Then ``trained``: the same random 0.5B shape trained for a few hundred AdamW steps (fp32 weights, bf16 autocast) to
+continue periodic sequences (a random segment of 16-48 tokens repeated: the continuation is a copy from the
+context, which the model learns confidently); the final loss shows whether it learned. On it, in bf16 and fp32:
+``equality`` and ``noise_floor`` on prompts of one period and a few tokens — the bf16 equality goal measured where
+greedy decoding is not a string of near-ties.
+
+Each check reports its own error (with traceback) and the others still run; the JSON is rewritten after each.
+
+    python benchmarks/gpu_engine_check.py --out gpu_engine_check.json            # H200: about 3 minutes
+    python benchmarks/gpu_engine_check.py --quick --out gpu_engine_check.json    # fewer buckets, bf16 only
+    python benchmarks/gpu_engine_check.py --model tiny --device cpu --prompts 8 --new-tokens 8 --train-steps 20 \\
+        --out /tmp/c.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import faulthandler
+import gc
+import json
+import math
+import random
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
+
+from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
+from agents.hf_policy import HFPolicy  # noqa: E402
+from agents.policy import SamplingParams  # noqa: E402
+from trainers.modeling import build_causal_lm  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GOALS = {"bf16": 0.95, "fp32": 1.0}  # share of identical greedy continuations, fast path vs transformers path
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=512)
+COPY_TOKENS = (10, 8000)  #: the trained model's sequences use ids in this range (capped by the vocabulary)
+
+
+def build(name: str, dtype: torch.dtype, device: str):
+    if name == "tiny":
+        return build_causal_lm(config=TINY, dtype=dtype).to(device).eval()
+    return build_causal_lm(preset=name, dtype=dtype).to(device).eval()
+
+
+def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(8 + (37 * i) % 293)] for i in range(n)]
+
+
+async def greedy_async(model, prompts, new_tokens: int, **policy_kwargs):
+    """Greedy continuations of `prompts`, all in one batch; returns the generations, the policy's stats and its
+    compile status."""
+    async with HFPolicy(model, max_batch_size=max(len(prompts), 1), **policy_kwargs) as policy:
+        gens = await policy.generate_many(prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens))
+        return gens, dict(policy.stats), policy.compile_reason
+
+
+def greedy(model, prompts, new_tokens: int, **policy_kwargs):
+    return asyncio.run(greedy_async(model, prompts, new_tokens, **policy_kwargs))
+
+
+def compare(a, b) -> dict:
+    """Identical continuations, first differences, and logprob differences over each common prefix."""
+    identical, first_diff, lp_diff = 0, [], 0.0
+    for x, y in zip(a, b, strict=True):
+        same = next((i for i, (s, t) in enumerate(zip(x.ids, y.ids)) if s != t), min(len(x.ids), len(y.ids)))
+        if x.ids == y.ids:
+            identical += 1
+        else:
+            first_diff.append(same)
+        lp_diff = max([lp_diff] + [abs(p - q) for p, q in zip(x.logprobs[:same], y.logprobs[:same])])
+    return dict(rows=len(a), identical=identical, share_identical=identical / max(1, len(a)),
+                first_difference_at=sorted(first_diff), logprob_max_abs_diff=lp_diff)
+
+
+# --------------------------------------------------------------------------------------------- checks
+def check_equality(model, prompts, args, dtype_name) -> dict:
+    reference, _, _ = greedy(model, prompts, args.new_tokens, fast_path=False)
+    start = time.perf_counter()
+    fast, stats, compile_reason = greedy(model, prompts, args.new_tokens, fast_path=True)
+    result = compare(fast, reference)
+    result.update(goal=GOALS[dtype_name], passed=result["share_identical"] >= GOALS[dtype_name],
+                  compile=compile_reason, compilations=stats["compilations"], compile_s=round(stats["compile_s"], 1),
+                  fast_run_s=round(time.perf_counter() - start, 1), graph_captures=stats["graph_captures"],
+                  graph_replays=stats["graph_replays"], decode_passes=stats["decode_passes"])
+    return result
+
+
+def check_graphs_vs_eager(model, prompts, args, dtype_name) -> dict:
+    graphs, _, _ = greedy(model, prompts, args.new_tokens, fast_path=True)
+    eager, _, _ = greedy(model, prompts, args.new_tokens, fast_path=True, cuda_graphs=False)
+    return compare(graphs, eager)
+
+
+def check_compiled_vs_uncompiled(model, prompts, args, dtype_name) -> dict:
+    compiled, _, reason = greedy(model, prompts, args.new_tokens, fast_path=True, compile=True)
+    uncompiled, _, _ = greedy(model, prompts, args.new_tokens, fast_path=True, compile=False)
+    return compare(compiled, uncompiled) | dict(compile=reason)
+
+
+def check_noise_floor(model, prompts, args, dtype_name) -> dict:
+    everyone, _, _ = greedy(model, prompts, args.new_tokens, fast_path=False)
+    own, _, _ = greedy(model, prompts[:16], args.new_tokens, fast_path=False)
+    return compare(own, everyone[:16])
+
+
+def check_step_times(model, prompts, args, dtype_name) -> dict:
+    """Per (batch bucket, length bucket): ms per decode step through `SlotEngine.step`. The rows hold 16-token
+    prompts; a step attends to its whole length bucket whatever the rows' lengths."""
+    cuda = args.device == "cuda"
+    batches = [b for b in ((2, 64, 256) if args.quick else (2, 8, 64, 128, 256, 512)) if b <= args.max_batch]
+    lengths = ((1024,) if args.quick else (256, 512, 1024, 2048)) if cuda else (256,)
+    engine = engine_for(model, max(batches), 2 * max(lengths), compile=cuda)
+    fill(engine, prompts, max(batches), SamplingParams(temperature=1.0))
+    rows, rng = [], random.Random(0)
+    first = time.perf_counter()
+    for b in batches:
+        for length in lengths:
+            rows.append(dict(batch=b, length=length, mode="sample", graphs=cuda, compiled=cuda,
+                             **time_steps(engine, b, length, "sample", rng, args.steps)))
+    grid_s = time.perf_counter() - first
+    b, length = min(256, max(batches)), min(1024, max(lengths))
+    plain = engine_for(model, b, 2 * length, compile=False)  # the uncompiled step, for comparison
+    fill(plain, prompts, b, SamplingParams(temperature=1.0))
+    for size in sorted({min(64, b), b}):
+        rows.append(dict(batch=size, length=length, mode="sample", graphs=cuda, compiled=False,
+                         **time_steps(plain, size, length, "sample", rng, args.steps)))
+    for mode, graphs in (("sample", False), ("greedy", True), ("truncate", True)):
+        if mode == "truncate":  # top-k 50 on every row: the sort runs
+            fill(engine, prompts, b, SamplingParams(temperature=1.0, top_k=50))
+        engine.cuda_graphs = graphs
+        rows.append(dict(batch=b, length=length, mode=mode, graphs=graphs and cuda, compiled=cuda,
+                         **time_steps(engine, b, length, mode, rng, args.steps)))
+    return dict(steps=rows, graphs_captured=engine.graphs, cache_gib=round(engine.cache_bytes() / 2**30, 2),
+                compile=engine.compile_reason, capture_failure=engine.capture_failure,
+                compilations=engine.stats["compilations"],
+                compile_s=round(engine.stats["compile_s"], 1), grid_s=round(grid_s, 1))
+
+
+def engine_for(model, slots: int, cache_len: int, compile: bool) -> SlotEngine:
+    return SlotEngine(model, decoder_layout(model), max_slots=slots, max_cache_len=cache_len,
+                      vocab_size=model.config.vocab_size, cuda_graphs=True, compile=compile)
+
+
+def fill(engine: SlotEngine, prompts, rows: int, params: SamplingParams) -> None:
+    """Prefill slots [0, rows) with 16-token prompts sampled with `params`."""
+    with torch.no_grad():
+        for start in range(0, rows, 64):
+            slots = list(range(start, min(start + 64, rows)))
+            sampling = RowSampling.draw([params] * len(slots), [random.Random(s) for s in slots], engine.vocab_size)
+            engine.prefill(slots, [prompts[s % len(prompts)][:16] for s in slots], sampling)
+
+
+def time_steps(engine: SlotEngine, rows: int, length: int, mode: str, rng: random.Random, steps: int) -> dict:
+    def uniforms():
+        return None if mode == "greedy" else [rng.random() for _ in range(rows)]
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        engine.step(rows, length, uniforms(), mode)  # compiles and captures if needed
+        synchronize()
+        first = time.perf_counter() - start
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step(rows, length, uniforms(), mode)
+        synchronize()
+    ms = (time.perf_counter() - start) / steps * 1e3
+    return dict(ms_per_step=round(ms, 3), tok_s=round(rows / ms * 1e3), first_step_s=round(first, 2))
+
+
+def check_weights(model, prompts, args, dtype_name) -> dict:
+    subset = prompts[:8]
+
+    async def go():
+        async with HFPolicy(model, max_batch_size=len(subset), fast_path=True) as policy:
+            params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
+            before = await policy.generate_many(subset, params)
+            captures = policy.stats["graph_captures"]
+            with torch.no_grad():
+                model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * model.lm_head.weight.std())
+            in_place = await policy.generate_many(subset, params)
+            in_place_reference = (await greedy_async(model, subset, args.new_tokens, fast_path=False))[0]
+            recaptured_in_place = policy.stats["graph_captures"] - captures
+            fresh = {k: v.clone() for k, v in model.state_dict().items()}
+            fresh["lm_head.weight"] = fresh["lm_head.weight"].flip(0)
+            model.load_state_dict(fresh, assign=True)
+            reassigned = await policy.generate_many(subset, params)
+            reassigned_reference = (await greedy_async(model, subset, args.new_tokens, fast_path=False))[0]
+            return dict(changed_share=1 - compare(in_place, before)["share_identical"],
+                        in_place_vs_reference=compare(in_place, in_place_reference),
+                        captures_after_in_place_change=recaptured_in_place,
+                        reassigned_vs_reference=compare(reassigned, reassigned_reference),
+                        module_reallocations=policy.stats["module_reallocations"],
+                        captures_total=policy.stats["graph_captures"])
+
+    return asyncio.run(go())
+
+
+CHECKS = [("equality", check_equality), ("graphs_vs_eager", check_graphs_vs_eager),
+          ("compiled_vs_uncompiled", check_compiled_vs_uncompiled), ("noise_floor", check_noise_floor),
+          ("step_times", check_step_times), ("weights", check_weights)]
+TRAINED_CHECKS = [("equality", check_equality), ("noise_floor", check_noise_floor)]
+
+
+# --------------------------------------------------------------------------------------------- the trained model
+def periodic_sequences(rows: int, length: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences of a random segment of 16-48 ids repeated to `length` tokens, and each one's period."""
+    low, high = COPY_TOKENS[0], min(COPY_TOKENS[1], vocab)
+    periods = torch.randint(16, 49, (rows,), generator=gen)
+    segments = torch.randint(low, high, (rows, 48), generator=gen)
+    return segments.gather(1, torch.arange(length)[None, :] % periods[:, None]), periods
+
+
+def train_copy_task(model, args) -> dict:
+    """AdamW on the copy positions (warm-up, cosine decay to a tenth, gradient clipping) until the loss is below
+    0.02 or `--train-steps` steps; bf16 autocast on CUDA. Returns the losses."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.train_lr, weight_decay=0.0,
+                                  fused=device.type == "cuda")
+    steps, warm = args.train_steps, max(1, args.train_steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * (
+        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+    model.train()
+    losses, start = [], time.perf_counter()
+    for step in range(steps):
+        ids, periods = periodic_sequences(args.train_batch, args.train_len, model.config.vocab_size, gen)
+        copy = (torch.arange(args.train_len - 1)[None, :] + 1 >= periods[:, None]).to(device)  # next token repeats
+        ids = ids.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1][copy].float(), ids[:, 1:][copy])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if len(losses) >= 5 and max(losses[-5:]) < 0.02:
+            break
+    model.eval()
+    del optimizer
+    return dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), first_loss=round(losses[0], 4),
+                final_loss=round(sum(losses[-5:]) / len(losses[-5:]), 4),
+                loss_every_25_steps=[round(x, 4) for x in losses[::25]])
+
+
+def copy_prompts(n: int, vocab: int) -> list[list[int]]:
+    """One period of a random segment of 16-48 ids, plus its first 4 tokens again (the period is established)."""
+    ids, periods = periodic_sequences(n, 52, vocab, torch.Generator().manual_seed(1))
+    return [row[:int(p) + 4].tolist() for row, p in zip(ids, periods)]
+
+
+def run_trained(args, report: dict, out: Path) -> None:
+    section = report["checks"]["trained"] = {}
+    model = build(args.model, torch.float32, args.device).train()
+    section["training"] = guarded("training", lambda: train_copy_task(model, args))
+    out.write_text(json.dumps(report, indent=2))
+    prompts = copy_prompts(args.prompts, model.config.vocab_size)
+    for dtype_name in args.dtypes:  # bf16 first: fp32 then holds the bf16-rounded weights
+        model = model.to(DTYPES[dtype_name])
+        checks = section[dtype_name] = {}
+        for name, fn in TRAINED_CHECKS:
+            checks[name] = guarded(name, fn, model, prompts, args, dtype_name)
+            out.write_text(json.dumps(report, indent=2))
+
+
+# --------------------------------------------------------------------------------------------- running
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def guarded(name: str, fn, *args) -> dict:
+    start = time.perf_counter()
+    try:
+        result = dict(ok=True, **fn(*args))
+    except Exception as e:  # report and go on with the next check
+        result = dict(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    result["seconds"] = round(time.perf_counter() - start, 1)
+    print(f"  {name}: {summary(result)}", flush=True)
+    return result
+
+
+def summary(result: dict) -> str:
+    if not result["ok"]:
+        return f"ERROR {result['error']}"
+    keys = ("share_identical", "logprob_max_abs_diff", "passed", "compilations", "compile_s", "fast_run_s",
+            "changed_share", "captures_after_in_place_change", "module_reallocations", "graphs_captured", "grid_s",
+            "steps", "final_loss")
+    text = ", ".join(f"{k} {result[k]}" for k in keys if k in result and not isinstance(result[k], list))
+    for key in ("in_place_vs_reference", "reassigned_vs_reference"):
+        if key in result:
+            text += f", {key} {result[key]['share_identical']} identical"
+    if "compile" in result:
+        text += f"\n      compile: {result['compile']}"
+    for row in result["steps"] if isinstance(result.get("steps"), list) else []:
+        kind = f"{'graph' if row['graphs'] else 'eager'}{'+compiled' if row['compiled'] else ''}"
+        text += (f"\n      batch {row['batch']:>3} length {row['length']:>4} {row['mode']:<8} {kind:<15}"
+                 f"{row['ms_per_step']:8.3f} ms/step {row['tok_s']:>9,} tok/s (first step {row['first_step_s']} s)")
+    return text + f" ({result['seconds']} s)"
+
+
+def arguments() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["qwen2.5-0.5b", "tiny"], default="qwen2.5-0.5b")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default bf16 fp32 (bf16 with --quick)")
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-batch", type=int, default=512, help="largest batch bucket timed")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per bucket")
+    ap.add_argument("--only", nargs="+", choices=[name for name, _ in CHECKS] + ["trained"],
+                    help="run only these checks")
+    ap.add_argument("--quick", action="store_true", help="fewer buckets, bf16 only, a shorter training")
+    ap.add_argument("--train-steps", type=int, help="training steps of the trained model (default 400, 250 quick)")
+    ap.add_argument("--train-batch", type=int, default=32)
+    ap.add_argument("--train-len", type=int, default=256)
+    ap.add_argument("--train-lr", type=float, default=1e-3)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    args.dtypes = args.dtypes or (["bf16"] if args.quick else ["bf16", "fp32"])
+    args.train_steps = args.train_steps or (250 if args.quick else 400)
+    return args
+
+
+def main():
+    faulthandler.enable(all_threads=True)  # a crash in native code still prints every thread's Python stack
+    args = arguments()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # a small shared CPU: see benchmarks/bench_rollout.py
+    import transformers
+
+    out = Path(args.out)
+    report = dict(command=" ".join([sys.executable, *sys.argv]), torch=torch.__version__,
+                  transformers=transformers.__version__, model=args.model,
+                  device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", checks={})
+    for dtype_name in args.dtypes if not args.only or set(args.only) - {"trained"} else ():
+        print(f"{args.model} {dtype_name}:", flush=True)
+        model = build(args.model, DTYPES[dtype_name], args.device)
+        prompts = make_prompts(args.prompts, min(model.config.vocab_size, 151643))
+        checks = report["checks"][dtype_name] = {}
+        for name, fn in CHECKS:
+            if (not args.only or name in args.only) and not (name == "noise_floor" and dtype_name != "bf16"):
+                checks[name] = guarded(name, fn, model, prompts, args, dtype_name)
+                out.write_text(json.dumps(report, indent=2))  # a run cut short keeps what it measured
+        del model
+        if args.device == "cuda":
+            checks["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    if not args.only or "trained" in args.only:
+        print(f"{args.model} trained on the copy task:", flush=True)
+        run_trained(args, report, out)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,534 @@
+"""The fast decode path (`agents.fast_decode`) against HFPolicy's transformers path, on tiny random Qwen2, Qwen3 and
+Llama models: same tokens and logprobs, rows joining and leaving, slot compaction and reuse, cancellation, memory
+release, reallocated weights, fallbacks; the sampler's arithmetic; property tests of the slot bookkeeping.
+
+On CPU the decode step runs eagerly (the very functions a CUDA graph captures), and compiled by Inductor in the
+tests that say so; with ``MT_ENV_TEST_DEVICE=cuda`` the same tests run as the fast path runs by default there:
+compiled and captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+from agents import compiling
+from agents.fast_decode import (STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable, batch_buckets, bucket_for,
+                                decoder_layout, prefill_groups, sample_tokens)
+from agents.hf_policy import HFPolicy
+from agents.policy import GenerationError, PolicyError, SamplingParams
+
+from .test_policy_hf import DEVICE, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
+
+FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda")
+TRANSFORMERS = dict(fast_path=False)
+LOGPROB_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+             max_position_embeddings=512)
+
+
+def build(arch: str, seed: int = 0, **overrides):
+    """A tiny random model of `arch` (Qwen3: q/k norms; Llama: 4 query heads per KV head)."""
+    torch.manual_seed(seed)
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**SHAPE | dict(num_key_value_heads=2) | overrides))
+    elif arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**SHAPE | dict(num_key_value_heads=2, head_dim=16) | overrides))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**SHAPE | dict(num_key_value_heads=1) | overrides))
+    return model.to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "llama"])
+def arch_model(request):
+    return build(request.param)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+PROMPTS = [[1, 2, 3, 4], [7] * 9, [300, 5], list(range(20, 57)), [11], [4, 8, 15, 16, 23, 42], [99] * 3,
+           list(range(100, 120))]
+
+
+async def generate_together(model, prompts, params, **kwargs):
+    """Generate for `prompts` concurrently on one policy; returns the generations and the policy's stats."""
+    async with HFPolicy(model, **kwargs) as policy:
+        gens = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
+        return gens, dict(policy.stats)
+
+
+def assert_same(fast, reference):
+    for f, r in zip(fast, reference, strict=True):
+        assert f.ids == r.ids and f.finish_reason == r.finish_reason
+        assert f.logprobs == pytest.approx(r.logprobs, abs=LOGPROB_TOL)
+
+
+MIXES = {
+    "greedy": [SamplingParams(temperature=0, max_new_tokens=24)] * len(PROMPTS),
+    "sampled": [SamplingParams(temperature=1.0, max_new_tokens=24, seed=i) for i in range(len(PROMPTS))],
+    "truncated": [SamplingParams(temperature=0.7, top_p=0.9, top_k=5 if i % 2 else -1, max_new_tokens=24, seed=i)
+                  for i in range(len(PROMPTS))],
+    "mixed": [SamplingParams(temperature=0 if i % 3 == 0 else 1.3, max_new_tokens=4 + 3 * i, seed=i,
+                             stop_token_ids=(7,)) for i in range(len(PROMPTS))],
+}
+
+
+# ------------------------------------------------------------------------------------------------- equality
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_fast_path_gives_the_transformers_paths_tokens_and_logprobs(arch_model, mix):
+    params = MIXES[mix]
+    fast, stats = run(generate_together(arch_model, PROMPTS, params, **FAST))
+    reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
+    assert_same(fast, reference)
+    assert stats["decode_passes"] > 0 and stats["merges"] == 0
+    if DEVICE == "cuda":
+        assert stats["graph_replays"] == stats["decode_passes"] and stats["graph_captures"] > 0
+
+
+def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
+    """Requests arrive while others decode and leave at different steps; each gets the tokens it gets alone."""
+    params = [SamplingParams(temperature=0.9, max_new_tokens=n, seed=i) for i, n in enumerate([40, 5, 17, 3, 25])]
+    prompts = PROMPTS[:5]
+
+    async def main():
+        async with HFPolicy(arch_model, **FAST) as policy:
+            tasks = []
+            for p, q in zip(prompts, params):
+                tasks.append(asyncio.create_task(policy.generate(p, q)))
+                passes = policy.stats["decode_passes"]
+                while policy.stats["decode_passes"] < passes + 3:  # the next one arrives 3 steps later
+                    await asyncio.sleep(0.001)
+            return await asyncio.gather(*tasks), dict(policy.stats)
+
+    together, stats = run(main())
+    alone = [run(generate_together(arch_model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
+    assert_same(together, alone)
+    assert stats["prefill_passes"] == 5  # every arrival joined the running batch
+
+
+def test_compaction_moves_the_last_rows_down_and_keeps_their_outputs(model):
+    """Eight rows fill slots 0-7 (the longest prompts last); the six in slots 0-5 end after two tokens, so the two
+    left move to slots 0-1 and decode in a batch of 2 instead of 8 padded rows."""
+    prompts = [[5 + i] * (2 + i) for i in range(8)]
+    params = [SamplingParams(temperature=0, max_new_tokens=2)] * 6 + [SamplingParams(temperature=0.8,
+                                                                                     max_new_tokens=30, seed=s)
+                                                                      for s in (1, 2)]
+    fast, stats = run(generate_together(model, prompts, params, max_batch_size=8, gather_window_s=0.2, **FAST))
+    reference, _ = run(generate_together(model, prompts, params, **TRANSFORMERS))
+    assert_same(fast, reference)
+    assert stats["prefill_passes"] == 1 and stats["compaction_moves"] == 2
+    assert stats["padded_rows"] == 0  # without the moves: 6 padding rows in each of the 28 later steps
+
+
+def test_a_reused_slot_does_not_see_its_previous_rows_cache(model):
+    """One slot: a long row is cancelled mid-way, then a shorter prompt takes the slot; the positions the old row
+    filled beyond the new prompt must stay invisible."""
+
+    async def main():
+        async with HFPolicy(model, max_batch_size=1, **FAST) as policy:
+            doomed = asyncio.create_task(policy.generate(list(range(30, 70)), SamplingParams(max_new_tokens=300)))
+            while policy.stats["decode_passes"] < 20:
+                await asyncio.sleep(0.001)
+            doomed.cancel()
+            return [await policy.generate(p, SamplingParams(temperature=0, max_new_tokens=12)) for p in PROMPTS[:3]]
+
+    for prompt, g in zip(PROMPTS, run(main())):
+        assert g.ids == greedy_by_hand(model, prompt, 12)
+
+
+def test_a_failed_pass_clears_its_slots():
+    """A pass that produced NaN fails its rows and zeroes their slots: masked positions are multiplied by 0 in
+    attention, and 0 x NaN would poison the next row to use the slot."""
+    model = tiny_model(seed=8)
+    weight = model.model.layers[0].self_attn.k_proj.weight
+    saved = weight.detach().clone()
+
+    async def main():
+        async with HFPolicy(model, max_batch_size=1, **FAST) as policy:
+            with torch.no_grad():
+                weight.fill_(math.nan)
+            with pytest.raises(GenerationError, match="NaN"):
+                await policy.generate(list(range(1, 40)), SamplingParams(max_new_tokens=5))
+            with torch.no_grad():
+                weight.copy_(saved)
+            return await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+
+    assert run(main()).ids == greedy_by_hand(model, PROMPTS[0], 12)
+
+
+def test_a_row_samples_the_same_tokens_whatever_its_neighbours_truncate(model):
+    """A seeded row's tokens do not change when a truncating row shares its batch (on both paths)."""
+    plain = SamplingParams(temperature=1.0, max_new_tokens=16, seed=5)
+    truncating = SamplingParams(temperature=1.0, top_k=3, max_new_tokens=16, seed=6)
+    for path in (FAST, TRANSFORMERS):
+        (alone,), _ = run(generate_together(model, PROMPTS[:1], [plain], **path))
+        (together, _), _ = run(generate_together(model, PROMPTS[:2], [plain, truncating], **path))
+        assert together.ids == alone.ids
+
+
+def test_stats_count_the_passes_the_model_runs(model):
+    calls = [0]
+    handle = model.lm_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        _, stats = run(generate_together(model, PROMPTS, MIXES["mixed"], fast_path=True, cuda_graphs=False))
+    finally:
+        handle.remove()
+    assert calls[0] == stats["prefill_passes"] + stats["decode_passes"] > len(PROMPTS)
+
+
+def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone(model):
+    """300 requests in three waves onto 256 slots (a GPU run crashed at this size): prompts of 1-60 tokens, 1-40
+    new tokens, greedy and seeded rows, stop tokens, cancellations, the third wave waiting for free slots, slots
+    compacted as rows leave. Every row gets the tokens the transformers path gives it; every slot ends free."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(300)]
+    params = [SamplingParams(temperature=0 if i % 4 == 0 else 1.0, max_new_tokens=rng.randint(1, 40), seed=i,
+                             stop_token_ids=(5,) if i % 3 == 0 else ()) for i in range(300)]
+    doomed = set(range(7, 300, 23))
+
+    async def main(**path):
+        async with HFPolicy(model, max_batch_size=256, max_cache_len=128, **path) as policy:
+            tasks = []
+            for wave in range(0, 300, 100):
+                tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in
+                          zip(prompts[wave:wave + 100], params[wave:wave + 100])]
+                passes = policy.stats["decode_passes"]
+                while policy.stats["decode_passes"] < passes + 3:
+                    await asyncio.sleep(0.001)
+                for i in doomed & set(range(wave, wave + 100)):
+                    tasks[i].cancel()
+            gens = await asyncio.gather(*tasks, return_exceptions=True)
+            lengths = await policy._in_worker(lambda: policy._engine.slot_lengths()) if policy.fast_path else []
+            return gens, dict(policy.stats), lengths
+
+    fast, stats, lengths = run(main(**FAST), timeout=300)
+    reference, _, _ = run(main(**TRANSFORMERS), timeout=300)
+    finished = [i for i in range(300) if i not in doomed]
+    assert_same([fast[i] for i in finished], [reference[i] for i in finished])
+    assert all(isinstance(fast[i], asyncio.CancelledError) or fast[i].finish_reason in ("stop", "length")
+               for i in doomed)  # cancelled, or done before the cancellation
+    assert stats["compaction_moves"] > 0 and stats["prefill_passes"] >= 4 and stats["padded_rows"] > 0
+    assert lengths == [0] * 256
+
+
+# ------------------------------------------------------------------------------------------------- memory, limits
+def test_release_and_resume_memory(model):
+    layout = decoder_layout(model)
+    expected = 2 * len(layout.layers) * 4 * layout.kv_heads * 512 * layout.head_dim * 4  # float32, 4 slots x 512
+
+    async def main():
+        async with HFPolicy(model, max_batch_size=4, **FAST) as policy:
+            sizes = [policy.kv_cache_bytes]  # allocated on first use
+            await policy.resume_memory()
+            sizes.append(policy.kv_cache_bytes)
+            first = await policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, seed=1))
+            await policy.release_memory()
+            sizes.append(policy.kv_cache_bytes)
+            running = asyncio.create_task(policy.generate(PROMPTS[1], SamplingParams(max_new_tokens=400)))
+            while policy.stats["decode_passes"] < 15:
+                await asyncio.sleep(0.001)
+            with pytest.raises(PolicyError, match="in flight"):
+                await policy.release_memory()
+            await running
+            again = await policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, seed=1))
+            return sizes + [policy.kv_cache_bytes], first, again
+
+    sizes, first, again = run(main())
+    assert sizes == [0, expected, 0, expected]
+    assert again.ids == first.ids and again.logprobs == first.logprobs
+
+
+def test_max_cache_len_bounds_prompt_and_generation(model):
+    async def main():
+        async with HFPolicy(model, max_cache_len=16, **FAST) as policy:
+            assert policy.max_context_len == 16
+            with pytest.raises(ValueError, match="no room.*max_cache_len"):
+                await policy.generate(list(range(1, 17)), SamplingParams(max_new_tokens=4))
+            return await policy.generate(list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=20))
+
+    g = run(main())
+    assert g.finish_reason == "length" and g.ids == greedy_by_hand(model, list(range(1, 11)), 6)
+
+
+@pytest.mark.parametrize("change", ["assign", "dtype"])
+def test_reallocated_parameters_are_noticed(change):
+    """Optimizer steps update parameters in place (the graphs keep reading them); `load_state_dict(assign=True)`
+    or a dtype change gives new tensors: the engine notices (graphs captured again, cache re-made) and uses them."""
+    model = tiny_model(seed=9)
+
+    async def main():
+        async with HFPolicy(model, **FAST) as policy:
+            before = await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+            with torch.no_grad():
+                model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))  # in place: not a reallocation
+            mid = await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+            counts = [policy.stats["module_reallocations"]]
+            if change == "assign":
+                fresh = {k: torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()}
+                model.load_state_dict(fresh, assign=True)
+            else:
+                model.to(torch.float64)
+            after = await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+            return before, mid, after, counts + [policy.stats["module_reallocations"]]
+
+    before, mid, after, counts = run(main())
+    assert counts == [0, 1]
+    assert mid.ids != before.ids
+    assert after.ids == greedy_by_hand(model, PROMPTS[0], 12)
+
+
+# ------------------------------------------------------------------------------------------------- fallbacks
+def unsupported_models():
+    torch.manual_seed(0)
+    return {
+        "sliding-window": Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_key_value_heads=2, use_sliding_window=True,
+                                                       sliding_window=6, max_window_layers=1)),
+        "RoPE type 'dynamic'": build("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                "rope_theta": 10000.0}),
+        "model type 'gpt2'": GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2,
+                                                        bos_token_id=0, eos_token_id=0)),
+    }
+
+
+@pytest.mark.parametrize("reason", ["sliding-window", "RoPE type 'dynamic'", "model type 'gpt2'"])
+def test_unsupported_modules_fall_back_with_the_reason(reason):
+    module = unsupported_models()[reason].to(DEVICE).eval()
+
+    async def main():
+        async with HFPolicy(module, max_batch_size=2) as auto:
+            g = await auto.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))
+            return auto.fast_path, auto.fast_path_reason, g
+
+    fast, why, g = run(main())
+    assert not fast and why.startswith("off: ") and reason in why
+    assert g.ids == greedy_by_hand(module, [1, 2, 3], 5)
+    with pytest.raises(ValueError, match=f"fast_path=True, but the module cannot take it: .*{reason}"):
+        HFPolicy(module, fast_path=True)
+
+
+def test_auto_takes_the_fast_path_on_cuda_only(model):
+    async def main():
+        async with HFPolicy(model) as policy:
+            return policy.fast_path, policy.fast_path_reason
+
+    fast, why = run(main())
+    assert fast == (DEVICE == "cuda")
+    assert why.startswith("on: ") if fast else "fast_path='auto' takes it on CUDA only" in why
+
+
+@pytest.mark.parametrize("kwargs, message", [(dict(fast_path="yes"), "fast_path"),
+                                             (dict(max_cache_len=1), "max_cache_len")])
+def test_bad_fast_path_arguments_are_rejected(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HFPolicy(model, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------- the sampler
+def sample(probs, uniform, temperature=1.0, top_k=None, top_p=None, mode="sample"):
+    logits = torch.tensor([probs]).log()
+    vocab = len(probs)
+    return sample_tokens(logits, torch.tensor([temperature]), torch.tensor([uniform], dtype=torch.float64),
+                         torch.tensor([top_k or vocab]), torch.tensor([top_p or math.inf]), mode)
+
+
+@pytest.mark.parametrize("uniform, token", [(0.05, 0), (0.15, 1), (0.35, 2), (0.61, 3), (0.999, 3)])
+def test_inverse_cdf_picks_the_token_whose_interval_holds_the_uniform(uniform, token):
+    tokens, logprobs = sample([0.1, 0.2, 0.3, 0.4], uniform)
+    assert tokens.tolist() == [token]
+    assert logprobs.item() == pytest.approx(math.log([0.1, 0.2, 0.3, 0.4][token]), abs=1e-6)
+
+
+@pytest.mark.parametrize("uniform, token", [(0.3, 2), (0.42, 2), (0.43, 3), (0.999, 3)])
+def test_truncation_samples_the_kept_tokens_in_vocabulary_order_and_reports_untruncated_logprobs(uniform, token):
+    # top-2 keeps tokens 2 and 3 (p 0.3, 0.4): cdf 0, 0, 0.3, 0.7 in vocabulary order; the uniform scales to 0.7
+    tokens, logprobs = sample([0.1, 0.2, 0.3, 0.4], uniform, top_k=2, mode="truncate")
+    assert tokens.tolist() == [token]
+    assert logprobs.item() == pytest.approx(math.log([0.1, 0.2, 0.3, 0.4][token]), abs=1e-6)
+
+
+def test_greedy_rows_take_the_argmax_whatever_their_uniform():
+    for mode in ("greedy", "sample", "truncate"):
+        tokens, logprobs = sample([0.1, 0.5, 0.4], 0.01, temperature=0.0, mode=mode)
+        assert tokens.tolist() == [1] and logprobs.item() == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+def test_nan_logits_stay_in_the_vocabulary_and_show_as_nan_logprobs():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [math.nan, 0.0, 0.0]])
+    for mode in ("sample", "truncate"):
+        tokens, logprobs = sample_tokens(logits, torch.ones(2), torch.tensor([0.9, 0.9], dtype=torch.float64),
+                                         torch.tensor([3, 1]), torch.tensor([math.inf, math.inf]), mode)
+        assert all(0 <= t < 3 for t in tokens.tolist())
+        assert not math.isnan(logprobs[0].item()) and math.isnan(logprobs[1].item())
+
+
+def test_row_sampling_draws_only_for_sampled_rows():
+    import random
+
+    params = [SamplingParams(temperature=0), SamplingParams(seed=1, top_k=4), SamplingParams(top_p=0.5)]
+    generators = [random.Random(0), random.Random(1), random.Random(2)]
+    drawn = RowSampling.draw(params, generators, vocab=10)
+    assert drawn.uniform == [0.0, random.Random(1).random(), random.Random(2).random()]
+    assert drawn.top_k == [10, 4, 10] and drawn.top_p == [math.inf, math.inf, 0.5] and drawn.mode == "truncate"
+    assert generators[0].random() == random.Random(0).random()  # the greedy row's generator was not touched
+
+
+# ------------------------------------------------------------------------------------------------- properties
+ops = st.lists(st.one_of(st.tuples(st.just("acquire"), st.integers(1, 40)),
+                         st.tuples(st.just("release"), st.integers(0, 10**6)),
+                         st.tuples(st.just("compact"), st.just(0))), max_size=40)
+
+
+@given(size=st.integers(1, 300), ops=ops)
+def test_slot_table_invariants(size, ops):
+    table, rows, counter = SlotTable(size), {}, 0  # rows: row id -> slot, as the table should have it
+    for op, arg in ops:
+        if op == "acquire":
+            n = min(arg, table.free_count())
+            free_before = sorted(set(range(size)) - set(rows.values()))
+            new = list(range(counter, counter + n))
+            counter += n
+            slots = table.acquire(new)
+            assert slots == free_before[:n]  # the lowest free slots, in order
+            rows.update(zip(new, slots))
+        elif op == "release" and rows:
+            row = sorted(rows)[arg % len(rows)]
+            table.release([rows.pop(row)])
+        elif op == "compact":
+            before = dict(rows)
+            moves = table.compact()
+            target = bucket_for(len(rows), table.buckets)
+            for src, dst in moves:
+                assert src >= target > dst and dst not in before.values()
+                row = next(r for r, s in before.items() if s == src)
+                rows[row] = dst
+            assert table.bucket() <= target
+        held = table.occupied()
+        assert {row: slot for slot, row in held} == rows  # no row lost, none held twice, the table agrees
+        assert len({slot for slot, _ in held}) == len(held)
+
+
+@given(size=st.integers(1, 1200))
+def test_batch_buckets_bound_the_padding(size):
+    buckets = batch_buckets(size)
+    assert buckets == sorted(set(buckets)) and buckets[-1] == size
+    for n in range(1, size + 1, max(1, size // 50)):
+        b = bucket_for(n, buckets)
+        assert n <= b <= size and b - n <= (32 if n <= 256 else 64)
+
+
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=60), budget=st.integers(1, 20000))
+def test_prefill_groups_partition_the_prompts_within_the_budget(lengths, budget):
+    groups = prefill_groups(lengths, budget)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget
+
+
+@pytest.fixture(scope="module")
+def small_engine_model():
+    return build("qwen2", seed=3)
+
+
+@given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=8), data=st.data())
+def test_compaction_keeps_each_rows_kv_and_position(small_engine_model, lengths, data):
+    model = small_engine_model
+    engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=32, vocab_size=VOCAB,
+                        cuda_graphs=False)
+    table = SlotTable(8)
+    rows = list(range(len(lengths)))
+    slots = table.acquire(rows)
+    prompts = [[(7 * r + j) % VOCAB for j in range(n)] for r, n in zip(rows, lengths)]
+    greedy = RowSampling.draw([SamplingParams(temperature=0)] * len(rows), [None] * len(rows), VOCAB)
+    with torch.no_grad():
+        engine.prefill(slots, prompts, greedy)
+    leaving = data.draw(st.lists(st.sampled_from(rows), unique=True, max_size=len(rows) - 1))
+    table.release([slots[r] for r in leaving])
+    engine.free([slots[r] for r in leaving])
+    kept = {slot: row for slot, row in table.occupied()}
+    before = {row: [t[slot, :, :lengths[row]].clone() for t in engine.kv(0) + engine.kv(1)]
+              for slot, row in kept.items()}
+    moves = table.compact()
+    engine.move(moves, filled=max(lengths))
+    now = engine.slot_lengths()
+    for slot, row in table.occupied():
+        assert now[slot] == lengths[row]
+        after = [t[slot, :, :lengths[row]] for t in engine.kv(0) + engine.kv(1)]
+        assert all(torch.equal(a, b) for a, b in zip(after, before[row]))
+    held = {slot for slot, _ in table.occupied()}
+    assert all(now[slot] == 0 for slot in range(8) if slot not in held)  # moved-from and left slots are free
+
+
+# ------------------------------------------------------------------------------------------------- compiled step
+# Last in the file: these tests empty dynamo's caches (the tests before them reuse compiled code).
+@pytest.fixture
+def fresh_compilations(monkeypatch):
+    """Dynamo's caches emptied (compiled code is shared by the whole process) and a registry of compiled functions
+    of the test's own (a failed compilation must not leave later tests' steps eager)."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(compiling, "_COMPILED", {})
+    yield
+    torch._dynamo.reset()
+
+
+def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEngine]:
+    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48."""
+    engine = SlotEngine(model, decoder_layout(model), max_slots=4, max_cache_len=96, vocab_size=VOCAB,
+                        cuda_graphs=False, compile=compile, length_step=16)
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    rng = random.Random(0)
+    with torch.no_grad():
+        out = [engine.prefill([0, 1, 2, 3], [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]],
+                              RowSampling.draw(params, [random.Random(i) for i in range(4)], VOCAB))]
+        for step in range(24):
+            rows = 4 if step < 12 else 2
+            need = max(engine.slot_lengths()[:rows]) + 1
+            out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
+    return out, engine
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
+        fresh_compilations):
+    model = build("qwen3", num_hidden_layers=4)
+    eager, _ = engine_steps(model, compile=False)
+    compiled, engine = engine_steps(model, compile=True)
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(compiled, eager, strict=True):
+        assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
+    # one per step function: not one per layer (4), batch bucket (2) or length bucket (3)
+    assert engine.stats["compilations"] == len(STEP_FUNCTIONS) and engine.compile_reason.startswith("on:")
+    _, again = engine_steps(model, compile=True)
+    assert again.stats["compilations"] == 0  # another engine reuses the compiled code
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+def test_a_policy_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
+    params = MIXES["mixed"]
+    fast, stats = run(generate_together(arch_model, PROMPTS, params, fast_path=True, compile=True), timeout=600)
+    reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
+    assert_same(fast, reference)
+    assert stats["compilations"] >= len(STEP_FUNCTIONS)
+
+
+def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilations):
+    """No working C++ compiler for Inductor on CPU (a fresh cache: nothing compiled earlier is reused)."""
+    from torch._inductor import config
+    from torch._inductor.utils import fresh_cache
+
+    model = build("qwen2").cpu()
+    eager, _ = engine_steps(model, compile=False, modes=("greedy", "sample"))
+    with fresh_cache(), config.patch({"compile_threads": 1, "cpp.cxx": ("/nonexistent/c++",)}):
+        fallback, engine = engine_steps(model, compile=True, modes=("greedy", "sample"))
+    assert fallback == eager
+    assert engine.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in engine.compile_reason
+    assert engine.stats["compilations"] == 0
