@@ -2,10 +2,11 @@
 
 The expression is parsed with Python's `ast` module and only whitelisted nodes are evaluated: number literals,
 ``+ - * / // % **``, unary ``+``/``-`` and parentheses. Arithmetic is exact (`fractions.Fraction`) except for
-fractional powers, which are computed in floating point. Results print as integers when they are whole and
-otherwise rounded to 6 decimals. Caps on the expression length, the exponent and the size of every intermediate
-result keep a hostile expression from eating time or memory; every refusal is a `CalculatorError` with a message
-meant for the model.
+fractional powers and powers too large to compute exactly, which are computed in floating point. Results print as
+integers when they are whole and otherwise rounded to 6 decimals; floating-point results are first rounded to 15
+significant digits, so that float noise never prints as digits. Caps on the expression length, the exponent and
+the size of every intermediate result keep a hostile expression from eating time or memory; every refusal is a
+`CalculatorError` with a message meant for the model.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import warnings
 from collections.abc import Callable, Mapping
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
@@ -48,7 +50,9 @@ def evaluate(expression: str) -> Number:
     if len(source) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"the expression is {len(source)} characters long; the limit is {MAX_EXPRESSION_CHARS}")
     try:
-        tree = ast.parse(source, mode="eval")
+        with warnings.catch_warnings():  # "invalid decimal literal" and the like would go to stderr (training logs)
+            warnings.simplefilter("ignore")
+            tree = ast.parse(source, mode="eval")
     except SyntaxError as e:
         raise CalculatorError(f"could not parse {source!r}: {e.msg}") from None
     except (ValueError, RecursionError, MemoryError):
@@ -65,7 +69,14 @@ def evaluate(expression: str) -> Number:
 
 def format_number(value: Number, decimals: int = DECIMALS) -> str:
     """Whole numbers without ``.0``; others rounded to `decimals` places, trailing zeros dropped; tiny non-zero
-    values in scientific notation rather than as a misleading 0."""
+    values in scientific notation rather than as a misleading 0. A float is first rounded to 15 significant digits
+    (the ones it has), and one of 10^15 or more prints in scientific notation (``1e+99``), not as the digits of
+    its binary approximation."""
+    if isinstance(value, float):
+        text = f"{value:.15g}"
+        if "e" in text and abs(value) >= 1:
+            return text
+        value = Decimal(text)
     exact = Fraction(value)
     if exact.denominator == 1:
         return str(exact.numerator)
@@ -115,8 +126,8 @@ def _power(base: Number, exponent: Number) -> Number:
             raise CalculatorError(f"the exponent {n} is too large (the limit is {MAX_EXPONENT})")
         if isinstance(base, Fraction) and abs(base) not in (0, 1):
             bits = max(abs(base.numerator).bit_length(), base.denominator.bit_length())
-            if abs(n) * bits > _MAX_POWER_BITS:
-                raise OverflowError
+            if abs(n) * bits > _MAX_POWER_BITS:  # too costly exactly (0.999 ** 10000): in floating point, where a
+                return float(base) ** n  # huge result overflows (refused) and a tiny one may round to 0
         return base**n
     if base < 0:
         raise CalculatorError("a negative number to a fractional power is not a real number")

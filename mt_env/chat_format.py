@@ -23,6 +23,48 @@ _USER_SENTINEL = "MTENVUSERSENTINEL"
 _ASSISTANT_SENTINEL = "MTENVASSISTANTSENTINEL"
 # Inserted after the first character of control-token text found in observations, so that it stays plain text.
 ZERO_WIDTH_SPACE = "\u200b"
+# Code points that no UTF-8 text can hold: in a Python str they come from lone surrogates (a JSON "\udce9" escape,
+# bytes decoded with errors="surrogateescape"), and tokenizers refuse them.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def encodable(text: str) -> tuple[str, int]:
+    """`text` made encodable as UTF-8, and how many characters were replaced: a surrogate pair becomes its
+    character, a lone surrogate becomes U+FFFD."""
+    if text.isascii() or not _SURROGATE.search(text):
+        return text, 0
+    fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+    return fixed, fixed.count("\ufffd") - text.count("\ufffd")
+
+
+def encodable_value(value: Any) -> tuple[Any, int]:
+    """`encodable` applied to every string in a JSON-like value (dict keys included); returns (value, replaced).
+    The value itself when nothing needs replacing (the common case, checked without copying)."""
+    if isinstance(value, str):
+        return encodable(value)
+    if _all_encodable(value):
+        return value, 0
+    if isinstance(value, dict):
+        pairs = [(encodable_value(k), encodable_value(v)) for k, v in value.items()]
+        return {k: v for (k, _), (v, _) in pairs}, sum(nk + nv for (_, nk), (_, nv) in pairs)
+    items = [encodable_value(v) for v in value]  # a list or tuple
+    return type(value)(v for v, _ in items), sum(n for _, n in items)
+
+
+def _all_encodable(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.isascii() or not _SURROGATE.search(value)
+    if isinstance(value, dict):
+        return all(map(_all_encodable, value)) and all(map(_all_encodable, value.values()))
+    if isinstance(value, list | tuple):
+        return all(map(_all_encodable, value))
+    return True
+
+
+def unencodable_at(text: str) -> int | None:
+    """The index of the first character of `text` that UTF-8 cannot encode (a lone surrogate), or None."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    return found.start() if found else None
 
 
 class ChatFormat:
@@ -33,10 +75,13 @@ class ChatFormat:
         tools: OpenAI function-tool schemas rendered into the prompt (exactly the tools the episode may call).
         template_kwargs: extra variables for the template, e.g. ``{"enable_thinking": False}`` for Qwen3.
         end_of_turn: the token that ends an assistant turn; defaults to the tokenizer's EOS token.
-        control_text_in_observations: what to do when tool output or another observation contains the text of a
-            control token such as ``<|im_end|>`` (which would otherwise be encoded as the real token and could forge
-            a turn boundary): ``"escape"`` (default) inserts a zero-width space after its first character,
-            ``"error"`` raises `ChatFormatError`, ``"keep"`` encodes it as the control token.
+        control_text_in_observations: what to do when untrusted text contains the text of a control token such as
+            ``<|im_end|>`` (which would otherwise be encoded as the real token and could forge a turn boundary):
+            ``"escape"`` (default) inserts a zero-width space after its first character, ``"error"`` raises
+            `ChatFormatError`, ``"keep"`` encodes it as the control token. Untrusted text is the content of every
+            ``system``, ``user`` and ``tool`` message — tool output, user follow-ups, and the task data of the
+            prompt. Assistant messages are kept as written: in a prompt they are demonstrations in the model's own
+            format, whose tool-call tags must stay real tokens.
     """
 
     def __init__(
@@ -163,18 +208,18 @@ class ChatFormat:
         if not isinstance(content, str):
             raise ChatFormatError(f"message content must be a string, got {type(content).__name__} (role {role!r})")
         out = dict(message)
-        out["content"] = self.neutralize_control_text(content) if role in ("user", "tool") else content
+        out["content"] = content if role == "assistant" else self.neutralize_control_text(content)
         return out
 
     def neutralize_control_text(self, text: str) -> str:
-        """Apply the control-text policy to untrusted text (tool output, user messages)."""
+        """Apply the control-text policy to untrusted text (system, user and tool message contents)."""
         if self._control_re is None or self.control_text_policy == "keep":
             return text
         if not any(c in text for c in self._control_first_chars) or not self._control_re.search(text):
             return text
         if self.control_text_policy == "error":
             found = sorted(set(self._control_re.findall(text)))
-            raise ChatFormatError(f"observation text contains control-token text {found}")
+            raise ChatFormatError(f"message text contains control-token text {found}")
         return self._control_re.sub(lambda m: m[0][0] + ZERO_WIDTH_SPACE + m[0][1:], text)
 
     # ----------------------------------------------------------------------------------------- deltas

@@ -35,8 +35,10 @@ Episode end
 from __future__ import annotations
 
 import asyncio
+import operator
 import string
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 import gymnasium as gym
@@ -44,13 +46,13 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
-from .chat_format import ChatFormat
+from .chat_format import ChatFormat, encodable, encodable_value, unencodable_at
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
 from .parsers import get_parser
 from .tool_config import select_tools
-from .tools import BaseTool, ToolBox
+from .tools import BaseTool, ToolBox, cap_calls
 from .turn import FINISH_REASONS, ModelTurn
 
 
@@ -104,6 +106,8 @@ class ToolEnv(gym.Env):
         tool_format: the tool-call parser (``hermes``, ``llama3_json``, ``sglang:<format>``).
         max_turns: assistant turns per episode; the episode is truncated after the last one.
         max_parallel_tools: tool calls of one turn run at once.
+        max_calls_per_turn: tool calls of one turn that are run; the rest get one ``too_many_calls`` error
+            observation.
         budget: `TokenBudget` (or its fields as a dict) for the conversation (tokenizer mode).
         mode: conversation mode (``auto``, ``incremental``, ``per_turn``).
         strict: run the conversation's drift check when samples are built.
@@ -123,6 +127,7 @@ class ToolEnv(gym.Env):
         tool_format: str = "hermes",
         max_turns: int = 5,
         max_parallel_tools: int = 4,
+        max_calls_per_turn: int = 8,
         budget: TokenBudget | Mapping[str, Any] | None = None,
         mode: str = "auto",
         strict: bool = True,
@@ -135,8 +140,8 @@ class ToolEnv(gym.Env):
             raise ValueError(f"length_cut must be 'truncate' or 'interact', got {length_cut!r}")
         if render_mode is not None and render_mode not in self.metadata["render_modes"]:
             raise ValueError(f"render_mode must be one of {self.metadata['render_modes']}, got {render_mode!r}")
-        if max_turns < 1 or max_parallel_tools < 1:
-            raise ValueError("max_turns and max_parallel_tools must be >= 1")
+        if max_turns < 1 or max_parallel_tools < 1 or max_calls_per_turn < 1:
+            raise ValueError("max_turns, max_parallel_tools and max_calls_per_turn must be >= 1")
         if isinstance(tokenizer, str):
             from .tokenizer import load_tokenizer
 
@@ -146,6 +151,7 @@ class ToolEnv(gym.Env):
         self.tool_format = tool_format
         self.max_turns = max_turns
         self.max_parallel_tools = max_parallel_tools
+        self.max_calls_per_turn = max_calls_per_turn
         self.budget = budget if isinstance(budget, TokenBudget) or budget is None else TokenBudget(**budget)
         self.mode = mode
         self.strict = strict
@@ -246,7 +252,7 @@ class ToolEnv(gym.Env):
         Options: ``task`` (a task row to play instead of drawing one)."""
         super().reset(seed=seed)
         await self._end_episode_tools()  # a reset mid-episode releases the previous episode's tools
-        options = options or {}
+        options = _checked_options(options)
         task = dict(options["task"]) if "task" in options else self.sample_task(self.np_random)
         chosen = select_tools(self.tools, task)
         self.task = task
@@ -259,6 +265,7 @@ class ToolEnv(gym.Env):
         self._parser = self._parsers.get(key) or self._parsers.setdefault(
             key, get_parser(self.tool_format, chosen.schemas))
         messages = self.prompt_messages(task)
+        _check_encodable(messages, chosen.sample_id)
         self.messages = list(messages)
         if self.tokenizer is not None:
             fmt = self._formats.get(key) or self._formats.setdefault(key, ChatFormat(
@@ -278,7 +285,8 @@ class ToolEnv(gym.Env):
         answer, and score the episode when it ends."""
         if not self._active:
             raise ResetNeeded("the episode has ended (or reset() was not called): call reset() before step()")
-        text, finish = self._take_turn(self._as_turn(action))
+        turn, unencodable = _encodable_turn(self._as_turn(action))
+        text, finish = self._take_turn(turn)
         parsed, info = self._parse(text, finish)
         messages, reward = [], 0.0
         end = self._end_before_answer(finish, parsed)
@@ -286,6 +294,8 @@ class ToolEnv(gym.Env):
             messages, reward, end = await self._run_tools(parsed, info)
         elif end is None:
             messages, end = self._follow_up(text)
+        messages, replaced = encodable_value(messages)
+        info["unencodable_chars"] += unencodable + replaced  # with the call arguments' (see _parse)
         obs = {"text": "", "input_ids": ()}
         if messages and end is None:
             obs, end = self._observe(messages)
@@ -321,8 +331,11 @@ class ToolEnv(gym.Env):
         """The turn's tool calls and parse errors, recorded as the assistant message's parsed view; and the step's
         first info fields."""
         parsed = self._parser.parse(text, finish)
+        unencodable = 0
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
+            call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
+            unencodable += replaced
         calls = [c.to_openai() for c in parsed.calls]
         if self.conversation is not None:
             self.conversation.set_parsed(calls, parsed.content)
@@ -330,7 +343,8 @@ class ToolEnv(gym.Env):
             self.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
         self._counts["parse_errors"] += len(parsed.errors)
         info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls,
-                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors]}
+                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors],
+                "unencodable_chars": unencodable}
         return parsed, info
 
     def _end_before_answer(self, finish: str, parsed) -> _End | None:
@@ -349,7 +363,8 @@ class ToolEnv(gym.Env):
     async def _run_tools(self, parsed, info: dict) -> tuple[list[dict], float, _End | None]:
         """Run the turn's calls (parse errors are answered with their message); returns the tool messages, the
         step reward, and an end if a tool with ``on_error: end_episode`` failed."""
-        results = await self._box.execute_many(parsed.calls + parsed.errors, self.max_parallel_tools)
+        calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
+        results = await self._box.execute_many(calls, self.max_parallel_tools)
         errors = sum(1 for r in results if r.error_kind)
         self._counts["tool_calls"] += len(results)
         self._counts["tool_errors"] += errors
@@ -433,16 +448,14 @@ class ToolEnv(gym.Env):
         elif isinstance(action, str):
             turn = ModelTurn(text=action)
         elif isinstance(action, Mapping):
-            fr = action.get("finish_reason", "stop")
-            if is_int(fr):
-                fr = FINISH_REASONS[int(fr)]
-            ids = action.get("token_ids")
-            turn = ModelTurn(ids=None if ids is None else [int(i) for i in ids], text=action.get("text"),
-                             finish_reason=fr, logprobs=action.get("logprobs"))
+            turn = ModelTurn(ids=action.get("token_ids"), text=action.get("text"),
+                             finish_reason=_finish_reason(action.get("finish_reason", "stop")),
+                             logprobs=action.get("logprobs"))
         elif isinstance(action, (list, tuple, np.ndarray)):
-            turn = ModelTurn(ids=[int(i) for i in action])
+            turn = ModelTurn(ids=action)
         else:
             raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
+        turn = _checked_turn(turn)
         if turn.ids is not None and self.tokenizer is None:
             raise ValueError("token-id actions need an env created with a tokenizer; pass text instead")
         return turn
@@ -468,3 +481,63 @@ class ToolEnv(gym.Env):
 
 def _plain(messages: Sequence[Mapping[str, Any]]) -> str:
     return "\n\n".join(f"{m['role']}: {m.get('content') or ''}" for m in messages)
+
+
+def _checked_options(options: Any) -> Mapping[str, Any]:
+    """`reset`'s options, checked: a dict whose ``task``, when given, is a task row."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(f"reset options must be a dict such as {{'task': row}} or None, got {type(options).__name__}")
+    if "task" in options and not isinstance(options["task"], Mapping):
+        raise TypeError("options['task'] must be a task row (a dict with the prompt messages), got "
+                        f"{type(options['task']).__name__}; leave 'task' out to draw a task")
+    return options
+
+
+def _finish_reason(value: Any) -> str:
+    """A finish reason given by name, or by its index in ``FINISH_REASONS`` (the action space's form)."""
+    if is_int(value):
+        value = FINISH_REASONS[int(value)] if 0 <= value < len(FINISH_REASONS) else value
+    elif not isinstance(value, str):
+        raise TypeError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {type(value).__name__}")
+    if value not in FINISH_REASONS:
+        raise ValueError(f"finish_reason must be one of {FINISH_REASONS} or its index, got {value!r}")
+    return value
+
+
+def _checked_turn(turn: ModelTurn) -> ModelTurn:
+    """`turn` with its text checked to be a str and its ids made a list of ints (numpy arrays and integers are
+    accepted); a `TypeError` or `ValueError` saying what was expected otherwise."""
+    if turn.text is not None and not isinstance(turn.text, str):
+        raise TypeError(f"a model turn's text must be a str, got {type(turn.text).__name__}")
+    reason = _finish_reason(turn.finish_reason)
+    return replace(turn, ids=None if turn.ids is None else _int_ids(turn.ids), finish_reason=reason)
+
+
+def _int_ids(ids: Any) -> list[int]:
+    try:
+        if isinstance(ids, str | bytes):
+            raise TypeError
+        return list(map(operator.index, ids))  # ints and numpy integers, never floats or strings
+    except TypeError:
+        raise TypeError("a model turn's token_ids must be a sequence of ints") from None
+
+
+def _encodable_turn(turn: ModelTurn) -> tuple[ModelTurn, int]:
+    """`turn` with text that UTF-8 cannot hold replaced (see `encodable`), and how many characters were."""
+    if turn.text is None:
+        return turn, 0
+    text, replaced = encodable(turn.text)
+    return (replace(turn, text=text) if replaced else turn), replaced
+
+
+def _check_encodable(messages: Sequence[Mapping[str, Any]], sample_id: Any) -> None:
+    """Refuse prompt messages with text that UTF-8 cannot hold: the dataset row needs fixing, naming it."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        at = unencodable_at(content) if isinstance(content, str) else None
+        if at is not None:
+            row = f"sample {sample_id!r}" if sample_id is not None else "the task row (it has no sample_id)"
+            raise ValueError(f"{row}: prompt message {i} ({message.get('role')}) has text that UTF-8 cannot encode "
+                             f"(a lone surrogate {content[at]!r} at character {at}); fix the dataset row")

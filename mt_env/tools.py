@@ -22,9 +22,12 @@ Per-tool settings, read from the tool's ``config`` (the YAML ``config:`` block):
 ``retries``             0        extra attempts after a `TransientToolError` or one of ``transient_errors``
 ``max_response_chars``  20000    longer output is cut with a marker (the token budget cuts again later)
 ``on_error``            continue ``"end_episode"`` asks the environment to end the episode when a call fails
+``isolation``           none     ``"process"`` runs the tool in a worker process that is killed at the timeout
 ======================  =======  ============================================================================
 
-Tools must not block the event loop: run blocking work with ``await asyncio.to_thread(...)``.
+Tools must not block the event loop: run blocking work with ``await asyncio.to_thread(...)`` (on a pool of daemon
+threads that nothing waits for), and declare tools that may block anyway, or run untrusted code, with
+``isolation: process``. A tool step that holds the loop too long is named in a warning. `mt_env.isolation` says how.
 """
 
 from __future__ import annotations
@@ -45,17 +48,18 @@ from typing import Any
 
 from .checks import is_int, is_real
 from .errors import ToolConfigError, ToolError, TransientToolError
+from .isolation import ProcessInstance, check_isolatable, created_id, use_daemon_threads, watch_step
 from .parsers import ParseError, ToolCall
 from .tool_schema import argument_error, arguments_validator, check_tool_schema, shorten
 
 __all__ = [
     "BaseTool", "ToolBox", "ToolResponse", "ToolResult", "ToolSettings", "ToolError", "TransientToolError",
-    "ERROR_KINDS", "KWARGS_KEYS", "normalize_tools_kwargs",
+    "ERROR_KINDS", "KWARGS_KEYS", "cap_calls", "normalize_tools_kwargs",
 ]
 
 logger = logging.getLogger(__name__)
 
-ERROR_KINDS = ("unknown_tool", "invalid_arguments", "exception", "timeout", "bad_response", "parse")
+ERROR_KINDS = ("unknown_tool", "invalid_arguments", "exception", "timeout", "bad_response", "parse", "too_many_calls")
 #: The keys of one tool's entry in ``tools_kwargs`` (verl's names), one per lifecycle method.
 KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 # How long a timed-out call may take to react to cancellation before it is abandoned (it may ignore it).
@@ -71,6 +75,7 @@ class ToolSettings:
     retries: int = 0
     max_response_chars: int = 20_000
     on_error: str = "continue"
+    isolation: str = "none"
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], tool: str) -> ToolSettings:
@@ -82,6 +87,7 @@ class ToolSettings:
             ("max_response_chars", is_int(settings.max_response_chars) and settings.max_response_chars >= 1,
              "an int >= 1"),
             ("on_error", settings.on_error in ("continue", "end_episode"), "'continue' or 'end_episode'"),
+            ("isolation", settings.isolation in ("none", "process"), "'none' or 'process'"),
         ]
         for key, ok, expected in checks:
             if not ok:
@@ -117,6 +123,8 @@ class BaseTool:
         self.tool_schema = check_tool_schema(tool_schema, owner=type(self).__name__)
         self.config = dict(config or {})
         self.settings = ToolSettings.from_config(self.config, self.name)
+        if self.settings.isolation == "process":
+            check_isolatable(type(self), self.config, self.tool_schema, self.name)
         self.validator = arguments_validator(self.tool_schema)
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -210,12 +218,25 @@ def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequen
     return out
 
 
+def cap_calls(calls: Sequence[Any], limit: int) -> list:
+    """The first `limit` of one turn's `calls`; when there are more, followed by one `ParseError` that the toolbox
+    answers with a single ``too_many_calls`` error observation saying how many calls were not run."""
+    if len(calls) <= limit:
+        return list(calls)
+    skipped = len(calls) - limit
+    return [*calls[:limit], ParseError("too_many_calls", f"{skipped} more tool call(s) in this turn were not run: "
+                                                         f"at most {limit} calls per turn are run")]
+
+
 class ToolBox:
     """The tools of one episode: creates their instances, runs calls, collects rewards, releases everything.
 
     Every call goes through `execute`, which never raises for a bad call or a failing tool: the failure is a
     `ToolResult` with ``error_kind`` set. `counts` tallies calls, errors by kind, retries, cut responses, and
     created/released instances (equal once `release_all` has run).
+
+    The lifecycle calls of an ``isolation: process`` tool go to its `ProcessInstance` (a worker process for this
+    episode); those of any other tool go to the tool object itself.
     """
 
     def __init__(self, tools: Sequence[BaseTool]):
@@ -226,6 +247,9 @@ class ToolBox:
             if tool.name in self.tools:
                 raise ToolConfigError(f"two tools are named {tool.name!r}")
             self.tools[tool.name] = tool
+        self._runners: dict[str, BaseTool | ProcessInstance] = {
+            name: ProcessInstance(tool) if tool.settings.isolation == "process" else tool
+            for name, tool in self.tools.items()}
         self.instances: dict[str, str] = {}  #: tool name -> instance id, while created
         self.kwargs: dict[str, dict[str, dict]] = {}
         self.counts: Counter = Counter()
@@ -249,12 +273,15 @@ class ToolBox:
         if self.instances:
             raise ToolError("create_all() was already called: release_all() first (one ToolBox per episode)")
         self.kwargs = normalize_tools_kwargs(tools_kwargs, list(self.tools))
+        use_daemon_threads(asyncio.get_running_loop())
 
         async def create(tool: BaseTool) -> None:
-            created = await _with_timeout(tool.create(None, **self._kwargs(tool.name, "create_kwargs")),
-                                          tool.settings.timeout)
-            if isinstance(created, tuple) and created:  # verl >= 0.5 returns (instance_id, ToolResponse)
-                created = created[0]
+            runner = self._runners[tool.name]
+            if isinstance(runner, ProcessInstance):
+                await runner.start()  # not part of the tool's timeout: starting a process takes what it takes
+            created = await _with_timeout(runner.create(None, **self._kwargs(tool.name, "create_kwargs")),
+                                          tool.settings.timeout, (tool.name, "create"))
+            created = created_id(created)
             if not isinstance(created, str):
                 raise TypeError(f"create() must return the instance id (a str), got {type(created).__name__}")
             self.instances[tool.name] = created
@@ -278,7 +305,8 @@ class ToolBox:
             tool = self.tools[name]
             try:
                 value = await _with_timeout(
-                    tool.calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")), tool.settings.timeout)
+                    self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
+                    tool.settings.timeout, (name, "calc_reward"))
                 if not is_real(value) or not math.isfinite(value):
                     raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
                 return float(value)
@@ -299,8 +327,8 @@ class ToolBox:
         async def release(name: str, instance_id: str) -> None:
             tool = self.tools[name]
             try:
-                await _with_timeout(tool.release(instance_id, **self._kwargs(name, "release_kwargs")),
-                                    tool.settings.timeout)
+                await _with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release_kwargs")),
+                                    tool.settings.timeout, (name, "release"))
             except Exception as e:
                 self.counts["release_errors"] += 1
                 logger.warning("tool %r: release failed (%s: %s)", name, type(e).__name__, e)
@@ -362,7 +390,7 @@ class ToolBox:
 
     async def _dispatch(self, call: Any, call_id: str) -> ToolResult:
         if isinstance(call, ParseError):
-            kind = call.kind if call.kind in ("unknown_tool", "invalid_arguments") else "parse"
+            kind = call.kind if call.kind in ("unknown_tool", "invalid_arguments", "too_many_calls") else "parse"
             tool = self.tools.get(call.name or "")
             return self._failure(call.name or "", call_id, kind, call.message, tool)
         try:
@@ -386,13 +414,15 @@ class ToolBox:
         settings, name = tool.settings, tool.name
         retryable = (TransientToolError, *tool.transient_errors)
         attempts = 0
+        use_daemon_threads(asyncio.get_running_loop())  # also when the episode was created in another loop
         async with tool._concurrency_slot():
             while True:
                 attempts += 1
                 try:
                     output = await _with_timeout(
-                        tool.execute(self.instances[name], arguments, **self._kwargs(name, "execute_kwargs")),
-                        settings.timeout)
+                        self._runners[name].execute(self.instances[name], arguments,
+                                                    **self._kwargs(name, "execute_kwargs")),
+                        settings.timeout, (name, "execute"))
                     break
                 except _Timeout:
                     return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after "
@@ -443,19 +473,20 @@ class _Timeout(Exception):
     """Raised by `_with_timeout` only (a tool's own TimeoutError is an ordinary exception)."""
 
 
-async def _with_timeout(awaitable: Any, timeout: float) -> Any:
+async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str]) -> Any:
     """Await `awaitable` for at most `timeout` seconds, then cancel it and raise `_Timeout`. Unlike
     `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited.
 
     Most tools finish without ever suspending (pure computation); those run inline here, with no task and no
     timer — the event-loop overhead would otherwise dominate an env step. A tool that suspends continues as a task
-    under the timeout."""
+    under the timeout. Each synchronous step of the coroutine is shown to the blocking watchdog as `step`, the
+    (tool, method) it belongs to."""
     if inspect.iscoroutine(awaitable):
         try:
-            first = awaitable.send(None)
+            first = _advance(awaitable.send, None, step)
         except StopIteration as done:
             return done.value
-        task = asyncio.ensure_future(_resume(awaitable, first))
+        task = asyncio.ensure_future(_resume(awaitable, first, step))
     else:
         task = asyncio.ensure_future(awaitable)
     try:
@@ -472,7 +503,7 @@ async def _with_timeout(awaitable: Any, timeout: float) -> Any:
 
 
 @types.coroutine
-def _resume(coro, yielded):
+def _resume(coro, yielded, step: tuple[str, str] | None = None):
     """Drive a coroutine that was started by hand and suspended on `yielded` (what `yield from` would do, from
     the middle): values and exceptions from the event loop go in, its awaits come out."""
     while True:
@@ -483,14 +514,25 @@ def _resume(coro, yielded):
             raise
         except BaseException as e:  # cancellation and other throws go to the tool
             try:
-                yielded = coro.throw(e)
+                yielded = _advance(coro.throw, e, step)
             except StopIteration as done:
                 return done.value
         else:
             try:
-                yielded = coro.send(sent)
+                yielded = _advance(coro.send, sent, step)
             except StopIteration as done:
                 return done.value
+
+
+def _advance(advance, value: Any, step: tuple[str, str] | None) -> Any:
+    """``advance(value)`` (a coroutine's send or throw), watched as one step of `step` when it is a tool's."""
+    if step is None:
+        return advance(value)
+    watch = watch_step(*step)
+    try:
+        return advance(value)
+    finally:
+        watch.exit()
 
 
 def _discard_outcome(task: asyncio.Future) -> None:

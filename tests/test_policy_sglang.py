@@ -202,15 +202,13 @@ def test_requests_spread_over_servers_by_least_in_flight(servers):
 
     async def main():
         async with SGLangServerPolicy([a.url, b.url]) as policy:
-            started = time.perf_counter()
             gens = await asyncio.gather(*(policy.generate([i], SamplingParams(max_new_tokens=2)) for i in range(8)))
-            return gens, time.perf_counter() - started, dict(policy.in_flight)
+            return gens, dict(policy.in_flight)
 
-    gens, elapsed, in_flight_after = run(main())
+    gens, in_flight_after = run(main())
     assert [g.ids for g in gens] == [[i + 1, i + 2] for i in range(8)]
     assert len(a.generate_calls()) == len(b.generate_calls()) == 4
     assert a.max_in_flight == b.max_in_flight == 4  # concurrent, not one by one
-    assert elapsed < 8 * 0.2
     assert set(in_flight_after.values()) == {0}
 
 
@@ -255,10 +253,8 @@ def test_timeout_is_a_clear_error(servers):
         async with SGLangServerPolicy(slow.url, timeout_s=0.3) as policy:
             await policy.generate([1], SamplingParams(max_new_tokens=1))
 
-    started = time.perf_counter()
-    with pytest.raises(GenerationError, match="timed out after 0.3 s"):
+    with pytest.raises(GenerationError, match="timed out after 0.3 s"):  # raised by the timeout, not the answer
         run(main())
-    assert time.perf_counter() - started < 2.5
 
 
 def test_error_answer_carries_the_server_message_and_is_not_retried(servers):
