@@ -8,6 +8,7 @@ message contents on their own (their edges merge with the wrapper around them).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -141,11 +142,13 @@ class ChatFormat:
                 self._pieces = None  # the tokenizer splits added tokens differently: no reuse
 
     # ----------------------------------------------------------------------------------------- text <-> ids
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        """The template's text for `messages` (with this format's tools and template variables)."""
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+               with_tools: bool = True) -> str:
+        """The template's text for `messages` (with this format's template variables, and its tools unless
+        `with_tools` is False)."""
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), tools=self.tools, tokenize=False,
+                list(messages), tools=self.tools if with_tools else None, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs,
             )
         except Exception as e:  # jinja errors, raise_exception() in templates
@@ -240,8 +243,29 @@ class ChatFormat:
         """
         if not observations:
             raise ConversationError("an observation needs at least one message")
+        return self._delta_after_assistant(observations, turn_closed, with_tools=not self._deltas_tool_free)
+
+    @functools.cached_property
+    def _deltas_tool_free(self) -> bool:
+        """Whether the template renders what follows an assistant turn without looking at the tools (true of the
+        usual templates, which put tool schemas in the system turn). Then observations are rendered without them:
+        most of a render's cost is converting and printing the schemas. Decided by rendering probe observations
+        both ways; any difference keeps the tools."""
+        if not self.tools:
+            return True
+        probes = [[{"role": "tool", "content": "1"}], [{"role": "user", "content": "2"}],
+                  [{"role": "tool", "content": "3"}, {"role": "tool", "content": "4"}]]
+        try:
+            return all(self._delta_after_assistant(p, closed, with_tools=True)
+                       == self._delta_after_assistant(p, closed, with_tools=False)
+                       for p in probes for closed in (True, False))
+        except ChatFormatError:
+            return False
+
+    def _delta_after_assistant(self, observations: Sequence[Mapping[str, Any]], turn_closed: bool,
+                               with_tools: bool) -> tuple[str, str]:
         base = [{"role": "user", "content": _USER_SENTINEL}, {"role": "assistant", "content": _ASSISTANT_SENTINEL}]
-        text = self.render(base + list(observations), add_generation_prompt=True)
+        text = self.render(base + list(observations), add_generation_prompt=True, with_tools=with_tools)
         i = text.find(_ASSISTANT_SENTINEL)
         if i < 0 or text.find(_ASSISTANT_SENTINEL, i + 1) >= 0:
             raise ChatFormatError("cannot locate the assistant turn in the rendered template (sentinel not unique)")

@@ -32,7 +32,8 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     if path:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                    attn_implementation=_registered(attn_implementation))
     if preset and preset not in PRESETS:
         raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)} or give a path")
     kwargs = dict(PRESETS.get(preset, {}))
@@ -40,11 +41,58 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
     if vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
     cfg = Qwen2Config(**kwargs)
-    cfg._attn_implementation = attn_implementation
+    cfg._attn_implementation = _registered(attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(cfg)
     return model.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------- packed attention
+#: ``sdpa`` as the trainer runs it: transformers' SDPA attention, except for packed rows on CUDA, which go through
+#: flash attention's variable-length kernel (`torch.nn.attention.varlen`). A packed micro-batch of T tokens then
+#: costs the sum of its sequences' attention, not T² — the dense block-diagonal mask SDPA needs would compute (and
+#: mask) every pair of tokens across sequences, as much work as the rest of the model at T ≈ 10k.
+SDPA_VARLEN = "sdpa_varlen"
+
+
+def _registered(attn_implementation: str) -> str:
+    """The attention implementation a model is built with: ``sdpa`` becomes `SDPA_VARLEN` (registered with
+    transformers on first use; identical to ``sdpa`` unless the call passes packed sequence boundaries)."""
+    if attn_implementation != "sdpa":
+        return attn_implementation
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if kwargs.get("cu_seq_lens_q") is None or not query.is_cuda:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                          scaling=scaling, **kwargs)
+        return _varlen_attention(query, key, value, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], scaling), None
+
+    AttentionInterface.register(SDPA_VARLEN, attention)
+    AttentionMaskInterface.register(SDPA_VARLEN, sdpa_mask)
+    return SDPA_VARLEN
+
+
+def _varlen_attention(query, key, value, cu_seqlens: torch.Tensor, max_len: int, scale: float | None):
+    """Causal attention within each packed sequence. `query` [1, H, T, d], `key`/`value` [1, KVH, T, d] (one packed
+    row, as transformers' attention modules give them); returns [1, T, H, d], the layout they expect back."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))  # [T, heads, d]
+    params = inspect.signature(varlen_attn).parameters
+    extra: dict = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}  # torch 2.10 / 2.11+
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: torch >= 2.12 takes it as is, older versions repeat K/V
+        if "enable_gqa" in params:
+            extra["enable_gqa"] = True
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+    out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **extra)
+    return out[None]
 
 
 def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementation: str):
@@ -52,7 +100,8 @@ def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementat
 
     Restarting position ids alone do not separate sequences: sdpa and flex attention would still let a sequence
     attend to the one packed before it. For ``flex_attention`` this returns a `BlockMask`; otherwise an additive
-    float mask [1, 1, T, T] (0 where attention is allowed, the dtype's minimum elsewhere).
+    float mask [1, 1, T, T] (0 where attention is allowed, the dtype's minimum elsewhere). On CUDA, ``sdpa`` models
+    need no mask: they run flash attention's variable-length kernel on the sequence boundaries (`SDPA_VARLEN`).
     """
     T = seq_ids.shape[-1]
     if implementation == "flex_attention":
@@ -73,10 +122,17 @@ def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementat
 
 
 def _attention_kwargs(model_config, input_ids, attention_mask, position_ids, seq_ids, dtype):
-    if seq_ids is not None:  # packed layout: one row, block-diagonal causal attention
-        impl = getattr(model_config, "_attn_implementation", "sdpa")
-        return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
-    return dict(attention_mask=attention_mask, position_ids=position_ids)
+    if seq_ids is None:
+        return dict(attention_mask=attention_mask, position_ids=position_ids)
+    # packed layout: one row, causal attention within each sequence
+    impl = getattr(model_config, "_attn_implementation", "sdpa")
+    if impl == SDPA_VARLEN and input_ids.is_cuda:  # the sequence boundaries, for flash attention's varlen kernel
+        lengths = torch.bincount(seq_ids[0])
+        cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        max_len = int(lengths.max())
+        return dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                    max_length_q=max_len, max_length_k=max_len)
+    return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
 
 
 def _scored(input_ids: torch.Tensor, loss_mask: torch.Tensor):

@@ -1,0 +1,147 @@
+"""A steady-state RL step of trainers/ppo.py, phase by phase, against the raw model rates measured in the same run.
+
+1. The trainer itself: `trainers.ppo.main` on a recipe (default the GSM8K smoke recipe: a random-init model of
+   Qwen2.5-0.5B's shape, bf16, 256 episodes per step through the embedded engine) for ``--steps`` steps. Each step
+   logs its phases (``perf/rollout_s``, ``perf/old_logprob_s``, ``perf/ref_s``, ``perf/update_s``) and the batch's
+   real tokens; the first ``--warmup`` steps (graph captures, allocator growth) are left out and the medians of the
+   others reported.
+2. Raw rates of the same model on the same token counts, in this process after the run: a forward pass
+   (``torch.no_grad``, the plain causal-LM loss over every token) and forward + backward + AdamW, on dense rows of
+   ``--raw-seq`` tokens, micro-batched as the recipe micro-batches.
+
+Goals (issue 12): ``step_s`` <= 6 s on the smoke recipe; each scoring pass (old logprobs, reference) >= 0.8x the raw
+forward rate, and the update >= 0.8x the raw forward+backward+AdamW rate.
+
+    python benchmarks/bench_rl_step.py --out benchmarks/results/h200/rl_step.json          # on a GPU
+    python benchmarks/bench_rl_step.py --config quickstart.yaml --steps 4 --set sft.steps=0  # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
+
+from trainers import ppo  # noqa: E402
+from trainers.config import load_config  # noqa: E402
+from trainers.setup import DTYPES  # noqa: E402
+
+PHASES = ("rollout", "old_logprob", "ref", "update")
+GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
+
+
+def run_trainer(args, out_dir: str) -> tuple[list[dict], list[str]]:
+    """Train `--steps` steps; returns the per-step metric rows of metrics.jsonl and the overrides used."""
+    overrides = [f"output_dir={out_dir}", f"trainer.total_steps={args.steps}", "trainer.save_every=0",
+                 "trainer.eval_every=0", "eval.episodes=1", "logging.plot=false", *args.set]
+    ppo.main(["--config", args.config, *sum((["--set", o] for o in overrides), [])])
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "perf/step_s" in r], overrides
+
+
+def steady(rows: list[dict], warmup: int) -> dict:
+    """Medians over the steps after the warm-up: seconds per phase and tokens per step."""
+    kept = [r for r in rows if r["step"] > warmup] or rows
+    median = lambda key: statistics.median(r.get(key, 0.0) for r in kept)  # noqa: E731
+    out = {"steps": [r["step"] for r in kept], "step_s": median("perf/step_s"),
+           "tokens": median("perf/tokens"), "trained_tokens": median("perf/trained_tokens"),
+           "generated_tokens": median("rollout/generated_tokens"), "epochs": median("perf/epochs")}
+    for phase in PHASES:
+        out[f"{phase}_s"] = median(f"perf/{phase}_s")
+    return out
+
+
+def raw_rates(cfg, tokens: int, seq: int, device: torch.device) -> dict:
+    """Tokens/s of the recipe's model on dense [micro, seq] rows: forward only, and forward+backward+AdamW."""
+    from trainers.modeling import build_causal_lm
+
+    m = cfg.model
+    lm = build_causal_lm(path=m.path, preset=m.preset, config=m.config, dtype=DTYPES[m.dtype]).to(device)
+    rows = max(1, round(tokens / seq))
+    ids = torch.randint(0, lm.config.vocab_size, (rows, seq), device=device)
+    micro = ids.split(cfg.trainer.micro_batch_size)
+    optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-6)
+
+    def forward():
+        with torch.no_grad():
+            for x in micro:
+                lm(input_ids=x, labels=x, use_cache=False)
+
+    def train():
+        for x in micro:
+            (lm(input_ids=x, labels=x, use_cache=False).loss * len(x) / rows).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    rates = {}
+    for name, fn in (("forward", forward), ("train", train)):
+        fn()  # warm-up
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        rates[f"raw_{name}_tok_s"] = rows * seq / (time.perf_counter() - start)
+    return rates
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="gsm8k_smoke_random_0.5b.yaml")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
+    ap.add_argument("--raw-seq", type=int, default=1024, help="row length of the raw baseline")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        rows, overrides = run_trainer(args, tmp)
+    cfg = load_config(args.config, [o for o in overrides if not o.startswith("output_dir=")])
+    figures = steady(rows, args.warmup)
+    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
+    figures.update(raw_rates(cfg, int(figures["tokens"]), args.raw_seq, device))
+    t = figures["tokens"]
+    figures["old_logprob_tok_s"] = t / max(figures["old_logprob_s"], 1e-9)
+    figures["ref_tok_s"] = t / max(figures["ref_s"], 1e-9) if figures["ref_s"] else None
+    figures["update_tok_s"] = t * figures["epochs"] / max(figures["update_s"], 1e-9)
+    ratios = {"old_logprob": figures["old_logprob_tok_s"] / figures["raw_forward_tok_s"],
+              "update": figures["update_tok_s"] / figures["raw_train_tok_s"]}
+    if figures["ref_tok_s"]:
+        ratios["ref"] = figures["ref_tok_s"] / figures["raw_forward_tok_s"]
+    figures["ratios_vs_raw"] = ratios
+    figures["goals"] = {"step_s": {"target": GOAL_STEP_S, "passed": figures["step_s"] <= GOAL_STEP_S},
+                        "phases_vs_raw": {"target": GOAL_RATIO, "worst": min(ratios.values()),
+                                          "passed": min(ratios.values()) >= GOAL_RATIO}}
+    figures.update(command=" ".join([Path(sys.executable).name, *sys.argv]), config=args.config,
+                   overrides=overrides, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                   torch=torch.__version__)
+    print(f"\nsteady steps {figures['steps']}: step {figures['step_s']:.2f} s "
+          f"(rollout {figures['rollout_s']:.2f}, old logprobs {figures['old_logprob_s']:.2f}, "
+          f"reference {figures['ref_s']:.2f}, update {figures['update_s']:.2f}); "
+          f"{figures['tokens']:.0f} tokens/step, {figures['generated_tokens']:.0f} generated")
+    print(f"raw forward {figures['raw_forward_tok_s']:,.0f} tok/s, raw forward+backward+AdamW "
+          f"{figures['raw_train_tok_s']:,.0f} tok/s")
+    for name, ratio in ratios.items():
+        print(f"  {name:<12} {ratio:.2f}x raw  {'PASS' if ratio >= GOAL_RATIO else 'FAIL'} (goal >= {GOAL_RATIO}x)")
+    print(f"  step_s {figures['step_s']:.2f}  {'PASS' if figures['step_s'] <= GOAL_STEP_S else 'FAIL'} "
+          f"(goal <= {GOAL_STEP_S} s)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(figures, indent=2))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
