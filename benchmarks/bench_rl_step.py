@@ -6,8 +6,8 @@
    real tokens; the first ``--warmup`` steps (graph captures, allocator growth) are left out and the medians of the
    others reported.
 2. Raw rates of the same model on the same token counts, in this process after the run: a forward pass
-   (``torch.no_grad``, the plain causal-LM loss over every token) and forward + backward + AdamW, on dense rows of
-   ``--raw-seq`` tokens, micro-batched as the recipe micro-batches.
+   (``torch.no_grad``, the plain causal-LM loss over every token) and forward + backward + AdamW, on dense rows as
+   long as the step's sequences on average (no padding), micro-batched as the recipe micro-batches.
 
 Goals (issue 12): ``step_s`` <= 6 s on the smoke recipe; each scoring pass (old logprobs, reference) >= 0.8x the raw
 forward rate, and the update >= 0.8x the raw forward+backward+AdamW rate.
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
-from trainers.setup import DTYPES  # noqa: E402
+from trainers.setup import make_models, make_tokenizer  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
 GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
@@ -53,7 +53,8 @@ def steady(rows: list[dict], warmup: int) -> dict:
     median = lambda key: statistics.median(r.get(key, 0.0) for r in kept)  # noqa: E731
     out = {"steps": [r["step"] for r in kept], "step_s": median("perf/step_s"),
            "tokens": median("perf/tokens"), "trained_tokens": median("perf/trained_tokens"),
-           "generated_tokens": median("rollout/generated_tokens"), "epochs": median("perf/epochs")}
+           "generated_tokens": median("rollout/generated_tokens"), "epochs": median("perf/epochs"),
+           "sequences": median("perf/sequences")}
     for phase in PHASES:
         out[f"{phase}_s"] = median(f"perf/{phase}_s")
     return out
@@ -61,10 +62,7 @@ def steady(rows: list[dict], warmup: int) -> dict:
 
 def raw_rates(cfg, tokens: int, seq: int, device: torch.device) -> dict:
     """Tokens/s of the recipe's model on dense [micro, seq] rows: forward only, and forward+backward+AdamW."""
-    from trainers.modeling import build_causal_lm
-
-    m = cfg.model
-    lm = build_causal_lm(path=m.path, preset=m.preset, config=m.config, dtype=DTYPES[m.dtype]).to(device)
+    lm, _ = make_models(cfg, make_tokenizer(cfg), device)  # the model the run trained, as the trainer builds it
     rows = max(1, round(tokens / seq))
     ids = torch.randint(0, lm.config.vocab_size, (rows, seq), device=device)
     micro = ids.split(cfg.trainer.micro_batch_size)
@@ -102,7 +100,7 @@ def main():
     ap.add_argument("--config", default="gsm8k_smoke_random_0.5b.yaml")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
-    ap.add_argument("--raw-seq", type=int, default=1024, help="row length of the raw baseline")
+    ap.add_argument("--raw-seq", type=int, help="row length of the raw baseline (default: the steps' mean sequence)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
@@ -111,7 +109,8 @@ def main():
     cfg = load_config(args.config, [o for o in overrides if not o.startswith("output_dir=")])
     figures = steady(rows, args.warmup)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    figures.update(raw_rates(cfg, int(figures["tokens"]), args.raw_seq, device))
+    seq = args.raw_seq or max(1, round(figures["tokens"] / max(figures["sequences"], 1)))
+    figures.update(raw_rates(cfg, int(figures["tokens"]), seq, device), raw_seq=seq)
     t = figures["tokens"]
     figures["old_logprob_tok_s"] = t / max(figures["old_logprob_s"], 1e-9)
     figures["ref_tok_s"] = t / max(figures["ref_s"], 1e-9) if figures["ref_s"] else None

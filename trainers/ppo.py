@@ -99,9 +99,8 @@ def main(argv=None) -> dict:
             batch = collate(result.samples, run.tokenizer.pad_token_id).to(acc.device)
 
             # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
-            update_start = time.perf_counter()
-            batch = score(batch, run.models, cfg)
-            metrics.update(logprob_mismatch(batch))
+            batch, score_times = score(batch, run.models, cfg)
+            metrics.update(logprob_mismatch(batch), **score_times)
 
             # 3. REWARDS and 4. ADVANTAGES
             batch, advantage_stats = estimate_advantages(batch, cfg)
@@ -112,6 +111,7 @@ def main(argv=None) -> dict:
                 continue
 
             # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the backend's weights
+            update_start = time.perf_counter()
             metrics.update(update(batch, run.models, acc, cfg, step))
             run.models.scheduler.step()
             update_s = time.perf_counter() - update_start
@@ -121,7 +121,8 @@ def main(argv=None) -> dict:
             run.state.step = step
             metrics.update({
                 "perf/step_s": time.perf_counter() - step_start, "perf/update_s": update_s,
-                "perf/update_tokens_per_s": float(batch.attention_mask.sum()) * t.epochs / max(update_s, 1e-9),
+                "perf/tokens": float(batch.attention_mask.sum()), "perf/trained_tokens": float(batch.loss_mask.sum()),
+                "perf/sequences": len(batch), "perf/epochs": t.epochs,
                 "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
                 "dist/processes": acc.num_processes,
             })
@@ -280,18 +281,25 @@ def forward(model, mb: TrainBatch, cfg: Config, critic: bool = False, with_entro
 
 
 @torch.no_grad()
-def score(batch: TrainBatch, models: Models, cfg: Config) -> TrainBatch:
+def score(batch: TrainBatch, models: Models, cfg: Config) -> tuple[TrainBatch, dict]:
     """The batch with the policy's logprobs before the update (`old_logprobs`), the reference's and the critic's
-    values on its exact ids, computed in micro-batches."""
+    values on its exact ids, computed in micro-batches; and each pass's seconds (``perf/<pass>_s``)."""
     chunks = torch.arange(len(batch), device=batch.input_ids.device).split(cfg.trainer.micro_batch_size)
+    seconds = {}
 
-    def each(model, critic=False):
+    def each(name, model, critic=False):
+        start = time.perf_counter()
         outputs = [forward(model, batch[rows], cfg, critic=critic) for rows in chunks]
-        return torch.cat(outputs if critic else [logprobs for logprobs, _ in outputs])
+        out = torch.cat(outputs if critic else [logprobs for logprobs, _ in outputs])
+        if out.is_cuda:  # the pass's kernels, not just their launches
+            torch.cuda.synchronize(out.device)
+        seconds[f"perf/{name}_s"] = time.perf_counter() - start
+        return out
 
-    return batch.replace(old_logprobs=each(models.policy),
-                         ref_logprobs=each(models.reference) if models.reference is not None else None,
-                         values=each(models.critic, critic=True) if models.critic is not None else None)
+    batch = batch.replace(old_logprobs=each("old_logprob", models.policy),
+                          ref_logprobs=each("ref", models.reference) if models.reference is not None else None,
+                          values=each("values", models.critic, critic=True) if models.critic is not None else None)
+    return batch, seconds
 
 
 @torch.no_grad()
