@@ -52,17 +52,11 @@ def test_the_exported_model_has_the_trainers_logits_and_tokenizer(tmp_path, tie,
         assert torch.equal(model(ids).logits, lm(ids).logits)
     assert model.config.tie_word_embeddings == tie
     assert not any(k.startswith("lm.") for k in model.state_dict())
-    # the files as saved give the run's exact tokenizer; so does AutoTokenizer (for a Qwen2 model it builds
-    # Qwen2Tokenizer: Qwen's pipeline around the saved vocabulary and merges) for Qwen's tokenizer, while the task
-    # BPE splits text its own way: the export says so, and which loader is exact
-    loaders = [PreTrainedTokenizerFast.from_pretrained(out)]
-    if tokenizer_name == "task":
-        assert AutoTokenizer.from_pretrained(out).encode(text) != tokenizer.encode(text)
-        assert "differs from the run's tokenizer in the ids of a probe text: load it with transformers." \
-               "PreTrainedTokenizerFast.from_pretrained" in warning
-    else:
-        assert warning is None
-        loaders.append(AutoTokenizer.from_pretrained(out))
+    # the files as saved give the run's exact tokenizer, and so does AutoTokenizer: for the quickstart's model (a
+    # Llama architecture) it honours the saved tokenizer class, and for a Qwen2 model it builds Qwen2Tokenizer,
+    # which is Qwen's own pipeline (a tokenizer with another pipeline on a Qwen2 model: the next test)
+    assert warning is None
+    loaders = [PreTrainedTokenizerFast.from_pretrained(out), AutoTokenizer.from_pretrained(out)]
     episode = tokenizer.apply_chat_template(SAMPLE_MESSAGES, tokenize=False)
     for loaded in loaders:
         assert loaded.chat_template == tokenizer.chat_template

@@ -15,8 +15,8 @@ from trainers.ppo import main as ppo_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-    "num_key_value_heads: 2, max_position_embeddings: 512}",
+    "model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 512}",
     "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=24", "sft.steps=3", "sft.batch_size=8",
     "eval.episodes=8", "trainer.eval_every=0", "trainer.save_every=0", "trainer.time_limit_s=null",
     "trainer.micro_batch_size=4", "trainer.minibatch_size=8", "logging.plot=false",

@@ -10,10 +10,12 @@ optimizer and RNG states, and in ``hf/`` the model's config and the run's tokeni
 and the tokenizer files as the run saved them, so ``AutoModelForCausalLM.from_pretrained(OUT)`` gives the trainer's
 logits and ``PreTrainedTokenizerFast.from_pretrained(OUT)`` its exact tokenizer.
 
-For a Qwen2 model, `AutoTokenizer` always builds `Qwen2Tokenizer` (transformers 5.x ignores ``tokenizer_class`` for
-that model type): Qwen's pre-tokenizer around the saved vocabulary and merges. Qwen's tokenizers (``offline:qwen2.5``,
-hub models) come back exactly; a tokenizer with another pipeline — the quickstart's task BPE, whose merges cross
-spaces — does not, and `auto_tokenizer_mismatch`, which the export runs, says so and names the loader that is exact.
+`AutoTokenizer` honours the saved tokenizer class, except for model types that transformers maps to their own
+tokenizer class regardless — Qwen2 among them: for a Qwen2 model it builds `Qwen2Tokenizer`, Qwen's pre-tokenizer
+around the saved vocabulary and merges. Qwen's tokenizers (``offline:qwen2.5``, hub models) come back exactly; a
+tokenizer with another pipeline on a Qwen2 model does not, and `auto_tokenizer_mismatch`, which the export runs,
+says so and names the loader that is exact. (The quickstart's model is a Llama architecture for this reason: its
+task BPE, whose merges cross spaces, loads exactly through `AutoTokenizer`.)
 """
 
 from __future__ import annotations

@@ -27,9 +27,10 @@ PRESETS: dict[str, dict] = {
 def build_causal_lm(path: str | None = None, preset: str | None = None, config: dict | None = None,
                     vocab_size: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
                     attn_implementation: str = "sdpa"):
-    """A causal LM: pretrained from `path`, or randomly initialised from a `preset` and/or `config` overrides
-    (a Qwen2 architecture). `vocab_size` overrides the config's (e.g. to match a small tokenizer)."""
-    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    """A causal LM: pretrained from `path`, or randomly initialised from a `preset` and/or `config` overrides.
+    Random init builds a Qwen2 architecture unless `config` names another transformers ``model_type`` (e.g.
+    ``llama``). `vocab_size` overrides the config's (e.g. to match a small tokenizer)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if path:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
@@ -40,11 +41,16 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
     kwargs.update(config or {})
     if vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
-    cfg = Qwen2Config(**kwargs)
+    model_type = kwargs.pop("model_type", "qwen2")
+    try:
+        cfg = AutoConfig.for_model(model_type, **kwargs)
+    except ValueError:
+        raise ValueError(f"model config: unknown model_type {model_type!r} (a transformers model type, e.g. qwen2, "
+                         "llama, qwen3)") from None
     cfg._attn_implementation = _registered(attn_implementation)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     return model.to(dtype)
 
 
