@@ -20,6 +20,7 @@ The KL reference is sharded like the policy (`frozen_reference`) and checkpointe
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -82,17 +83,25 @@ def forward_passes_everywhere(count: int, module: nn.Module) -> int:
     return int(total)
 
 
-def frozen_reference(copy: nn.Module, policy: nn.Module, accelerator) -> nn.Module:
+def fsdp_sharding(accelerator):
+    """How accelerate shards a model under FSDP2 (its wrap policy, mesh and settings), as a function of the model;
+    None without FSDP2."""
+    if not accelerator.is_fsdp2:
+        return None
+    from accelerate.utils import fsdp2_prepare_model
+
+    return functools.partial(fsdp2_prepare_model, accelerator)
+
+
+def frozen_reference(copy: nn.Module, policy: nn.Module, shard=None) -> nn.Module:
     """The KL reference: `copy` — an unsharded frozen copy of the policy made before accelerate prepared it (FSDP
-    modules cannot be deep-copied) — sharded like the policy under FSDP2, with the policy's current weights (after
-    the SFT warm start)."""
+    modules cannot be deep-copied) — sharded as the policy was (`shard`, from `fsdp_sharding`), with the weights of
+    `policy` (the unwrapped policy, after the SFT warm start)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    if accelerator.is_fsdp2:
-        from accelerate.utils import fsdp2_prepare_model
-
-        copy = fsdp2_prepare_model(accelerator, copy)
-    set_model_state_dict(copy, get_model_state_dict(accelerator.unwrap_model(policy)))
+    if shard is not None:
+        copy = shard(copy)
+    set_model_state_dict(copy, get_model_state_dict(policy))
     return copy
 
 

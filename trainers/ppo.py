@@ -50,8 +50,8 @@ from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
 from trainers.config import Config, load_config
-from trainers.distributed import (FullStateDict, forward_passes_everywhere, frozen_reference, initialize_root,
-                                  peak_memory)
+from trainers.distributed import (FullStateDict, forward_passes_everywhere, frozen_reference, fsdp_sharding,
+                                  initialize_root, peak_memory)
 from trainers.modeling import PolicyModel
 from trainers.rollouts import LocalRollouts, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
@@ -222,7 +222,8 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | Non
         if cfg.sft.steps and not resuming:
             _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker)
         if reference is not None:  # the KL reference is the policy as RL starts (after SFT), or as checkpointed
-            models.reference = frozen_reference(reference, models.policy, accelerator)
+            policy = accelerator.unwrap_model(models.policy)
+            models.reference = frozen_reference(reference, policy, fsdp_sharding(accelerator))
             accelerator.register_for_checkpointing(FullStateDict(models.reference))
         if resuming:
             accelerator.load_state(str(plan.checkpoint))
