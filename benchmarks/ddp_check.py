@@ -77,6 +77,8 @@ def worker(args) -> None:
         change = {k: after[k].detach().cpu() - before[k] for k in before}
         torch.save(change, Path(args.worker) / f"change_{world}.pt")
         (Path(args.worker) / f"metrics_{world}.json").write_text(json.dumps(metrics))
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # leave the process group together: gloo aborts a process that exits inside one
 
 
 def compare(work: Path) -> dict:

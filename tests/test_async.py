@@ -163,6 +163,7 @@ def _pair_with_a_dead_engine(rank: int, port: int, out: str) -> None:
         except PolicyError as e:
             outcome = f"raised {type(e).__name__}: {e}"
     Path(out, f"rank{rank}.txt").write_text(outcome)
+    link.close()
 
 
 @linux_only
@@ -181,9 +182,9 @@ def test_a_generator_failure_reaches_the_trainer(tmp_path):
 @pytest.mark.xdist_group("learning")
 def test_async_quickstart_learns(tmp_path):
     """The quickstart recipe, shortened, in async mode: held-out success and tool use must clearly rise."""
-    proc = torchrun(tmp_path, "threads=1", "trainer.async_rollout=true", "sft.steps=300", "trainer.total_steps=16",
-                    "rollout.prompts_per_step=8", "trainer.lr=2e-4", "trainer.eval_every=0", "eval.episodes=96",
-                    "trainer.time_limit_s=null", "logging.plot=false")
+    proc = torchrun(tmp_path, "threads=1", "trainer.async_rollout=true", "sft.steps=300", "sft.batch_size=16",
+                    "trainer.total_steps=16", "rollout.prompts_per_step=8", "trainer.lr=2e-4",
+                    "trainer.eval_every=0", "eval.episodes=96", "trainer.time_limit_s=null", "logging.plot=false")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     evals = [r for r in rows(tmp_path) if "val/success" in r]
     before, after = evals[0], evals[-1]

@@ -143,8 +143,9 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     # the KL reference, sharded like the policy, with its weights; and its checkpoint round trip
     reference = frozen_reference(reference_copy, policy, shard=lambda m: _shard(m, mesh))
     report["reference_sharded"] = all(isinstance(p, DTensor) for p in reference.parameters())
-    report["reference_diff"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())
-                                   for a, b in zip(reference.parameters(), policy.parameters()))
+    with torch.no_grad():
+        report["reference_diff"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())
+                                       for a, b in zip(reference.parameters(), policy.parameters()))
     state = FullStateDict(reference).state_dict()  # gathered on the main process only
     report["state_keys"] = len(state)
     path = Path(out) / "reference.pt"
@@ -156,6 +157,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     report["restored_diff"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())
                                   for a, b in zip(restored.parameters(), reference.parameters()))
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()
     dist.destroy_process_group()
 
 

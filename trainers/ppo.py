@@ -488,6 +488,8 @@ def finish(run: Run, config_name: str, stopped_by: str | None = None, argv: list
         f"metrics {out / 'metrics.jsonl'}" + (f" | curves {summary.get('curves')}" if summary.get("curves") else ""))
     run.tracker.close()
     run.rollouts.close()
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()  # every process leaves the process group together
     return summary
 
 
