@@ -26,9 +26,11 @@ and each run's log tail) and ``scaling_runs.jsonl`` (every run's step rows).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -50,6 +52,19 @@ def gsm8k_data(given: str | None) -> str | None:
     return None
 
 
+def machine() -> dict:
+    """The GPUs (nvidia-smi; this process does not touch CUDA) and the library versions."""
+    import accelerate
+    import torch
+    import transformers
+
+    smi = shutil.which("nvidia-smi")
+    gpus = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader"], capture_output=True,
+                          text=True).stdout.strip().splitlines() if smi else []
+    return {"gpus": gpus, "torch": torch.__version__, "transformers": transformers.__version__,
+            "accelerate": accelerate.__version__}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -63,8 +78,9 @@ def launch(processes: int, config_file: str | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", str(free_port())]
     if config_file:
         return [*cmd, "--config_file", config_file, "trainers/ppo.py"]
+    threads = max(1, (os.cpu_count() or processes) // processes)  # the machine's cores, shared (1 by default)
     return [*cmd, "--num_processes", str(processes), "--multi_gpu", "--num_machines", "1", "--mixed_precision", "no",
-            "--dynamo_backend", "no", "trainers/ppo.py"]
+            "--dynamo_backend", "no", "--num_cpu_threads_per_process", str(threads), "trainers/ppo.py"]
 
 
 def sets(**overrides) -> list[str]:
@@ -96,17 +112,24 @@ def plan(args, work: Path) -> list[dict]:
 
 
 def execute(run: dict, work: Path, env: dict, seconds: float) -> dict:
-    """Run one configuration; returns its status, wall time and log path."""
+    """Run one configuration in its own process group (a timeout stops the launcher and every worker, so no
+    process keeps a GPU for the next run); returns its status, wall time and log path."""
     shutil.rmtree(work / run["name"], ignore_errors=True)
     log = work / f"{run['name']}.log"
     start = time.perf_counter()
     with log.open("w") as out:
+        proc = subprocess.Popen(run["cmd"], cwd=ROOT, env={**env, **run.get("env", {})}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            proc = subprocess.run(run["cmd"], cwd=ROOT, env={**env, **run.get("env", {})}, stdout=out,
-                                  stderr=subprocess.STDOUT, timeout=seconds, start_new_session=True)
-            status = "ok" if proc.returncode == 0 else f"failed (exit status {proc.returncode})"
+            code = proc.wait(timeout=seconds)
+            status = "ok" if code == 0 else f"failed (exit status {code})"
         except subprocess.TimeoutExpired:
             status = f"timeout after {seconds:.0f}s"
+        for sig, grace in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):  # the workers too, whatever happened
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=grace)
     return {"status": status, "wall_s": round(time.perf_counter() - start, 1), "log": str(log),
             "command": " ".join(str(c) for c in run["cmd"])}
 
@@ -125,8 +148,9 @@ def step_figures(run_dir: Path, warmup: int) -> dict:
     keys = sorted({k for r in timed for k in r if k.startswith(("perf/", "async/")) and isinstance(r[k], float)})
     return {"rows": rows, "steps": len(steps), "timed_steps": [r["step"] for r in timed], "step_s": step_s,
             "episodes_per_step": episodes, "episodes_per_s": episodes / step_s,
-            "peak_gib": max((r.get("perf/peak_gib", 0.0) for r in steps), default=None),
-            "peak_reserved_gib": max((r.get("perf/peak_reserved_gib", 0.0) for r in steps), default=None),
+            "peak_gib": max((r["perf/peak_gib"] for r in steps if "perf/peak_gib" in r), default=None),
+            "peak_reserved_gib": max((r["perf/peak_reserved_gib"] for r in steps if "perf/peak_reserved_gib" in r),
+                                     default=None),
             "medians": {k: statistics.median(r[k] for r in timed if k in r) for k in keys}}
 
 
@@ -184,17 +208,19 @@ def main() -> int:
     ap.add_argument("--fsdp3b", action="store_true", help="also the 3B shape under FSDP2")
     ap.add_argument("--fsdp-steps", type=int, default=3)
     ap.add_argument("--only", default=None, help="comma-separated run names")
-    ap.add_argument("--run-timeout", type=float, default=150.0, help="seconds per run")
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds for everything: runs that cannot start "
+    ap.add_argument("--run-timeout", type=float, default=170.0, help="seconds per run (FSDP: 120 more)")
+    ap.add_argument("--budget", type=float, default=550.0, help="seconds for everything: runs that cannot start "
                                                                 "with 45s left are skipped")
     args = ap.parse_args()
     start, out, work = time.perf_counter(), Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     data = gsm8k_data(args.data)
-    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": str(ROOT), **({"MT_ENV_GSM8K": data} if data else {})}
+    if data is None:
+        raise SystemExit("bench_scaling: no GSM8K data (train.jsonl, test.jsonl): pass --data DIR or set $MT_ENV_GSM8K")
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": str(ROOT), "MT_ENV_GSM8K": data}
     meta = {"command": " ".join(sys.argv), "gsm8k": data, "prompts": args.prompts, "steps": args.steps,
-            "warmup": args.warmup}
+            "warmup": args.warmup, "machine": machine()}
     results: dict = {}
     runs = [r for r in plan(args, work) if not args.only or r["name"] in args.only.split(",")]
     for run in runs:

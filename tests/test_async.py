@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +20,11 @@ from trainers.config import ConfigError, load_config
 from trainers.ppo import main as ppo_main
 from trainers.setup import TaskSource
 
+from .test_distributed import _free_port
+from .test_trainer import TINY as TRAINER_TINY
+
 ROOT = Path(__file__).resolve().parents[1]
-TINY = [
-    "model.config={hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, num_attention_heads: 4, "
-    "num_key_value_heads: 2, max_position_embeddings: 512}",
-    "rollout.prompts_per_step=4", "rollout.n=2", "rollout.max_new_tokens=24", "sft.steps=3", "sft.batch_size=8",
-    "eval.episodes=8", "trainer.time_limit_s=null", "trainer.micro_batch_size=4", "trainer.minibatch_size=8",
-    "logging.plot=false", "algorithm.entropy_coef=0.01", "threads=1", "trainer.async_rollout=true",
-]
+TINY = [*TRAINER_TINY, "algorithm.entropy_coef=0.01", "threads=1", "trainer.async_rollout=true"]
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="two-process gloo runs tested on Linux")
 
 
@@ -122,12 +118,6 @@ def test_async_time_limit_discards_the_batch_in_flight(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- failures
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pair_with_a_dead_engine(rank: int, port: int, out: str) -> None:
     """Both ends of the link; the generator's engine is closed, so its first rollout raises PolicyError."""
     from accelerate import Accelerator

@@ -4,7 +4,7 @@
     python trainers/ppo.py                                   # the offline quickstart (Calculator-v0, CPU)
     python trainers/ppo.py --config gsm8k_qwen2.5_0.5b.yaml --set trainer.lr=2e-6 --set rollout.n=8
     accelerate launch --num_processes 2 trainers/ppo.py --config ...          # DDP
-    accelerate launch --config_file trainers/configs/accelerate_fsdp2.yaml trainers/ppo.py --config ...   # FSDP2
+    accelerate launch --config_file trainers/configs/accelerate/fsdp2.yaml trainers/ppo.py --config ...  # FSDP2
     accelerate launch --num_processes 2 trainers/ppo.py --config ... --set trainer.async_rollout=true
                      # one-step off-policy: one process generates while the other trains (trainers/async_rollout.py)
 
