@@ -19,8 +19,8 @@ A step's time is ``perf/step_s`` from metrics.jsonl (rollout + update, without e
 figure of a run is the median over the steps after ``--warmup`` (compilation, cache and graph warm-up). Episodes per
 second = episodes per step / that median. ``speedup_weak`` and ``speedup_strong`` are the 2-GPU runs' episodes per
 second over one GPU's; ``sync_step_s`` is ``2gpu_strong``'s step time, ``async_step_s`` the async run's (same global
-batch). Out of the run directories only three files go to ``--out``: ``scaling.json``, ``scaling.txt`` (the summary
-and each run's log tail) and ``scaling_runs.jsonl`` (every run's step rows).
+batch). Out of the run directories four files go to ``--out``: ``scaling.json``, ``scaling.txt`` (the summary and
+each run's log tail), ``scaling_runs.jsonl`` (every run's step rows) and ``scaling_logs.tar.gz`` (the full logs).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -241,6 +242,10 @@ def main() -> int:
               flush=True)
         report = write(out, results, meta)
     report = write(out, results, meta)
+    with tarfile.open(out / "scaling_logs.tar.gz", "w:gz") as tar:  # every run's full log
+        for r in results.values():
+            if "log" in r:
+                tar.add(r["log"], arcname=Path(r["log"]).name)
     print("\n".join(f"{k}: {report[k]}" for k in ("speedup_weak", "speedup_strong", "update_matches_1gpu",
                                                   "fsdp_3b_step_s", "fsdp_3b_peak_gib", "async_step_s",
                                                   "sync_step_s", "async_speedup")))

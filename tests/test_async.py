@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,6 @@ from trainers.config import ConfigError, load_config
 from trainers.ppo import main as ppo_main
 from trainers.setup import TaskSource
 
-from .test_distributed import _free_port
 from .test_trainer import TINY as TRAINER_TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +118,12 @@ def test_async_time_limit_discards_the_batch_in_flight(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- failures
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _pair_with_a_dead_engine(rank: int, port: int, out: str) -> None:
     """Both ends of the link; the generator's engine is closed, so its first rollout raises PolicyError."""
     from accelerate import Accelerator
@@ -169,7 +175,6 @@ def test_a_generator_failure_reaches_the_trainer(tmp_path):
 
 # --------------------------------------------------------------------------------------------- learning
 @linux_only
-@pytest.mark.xdist_group("learning")
 def test_async_quickstart_learns(tmp_path):
     """The quickstart recipe, shortened, in async mode: held-out success and tool use must clearly rise."""
     proc = torchrun(tmp_path, "threads=1", "trainer.async_rollout=true", "sft.steps=300", "sft.batch_size=16",

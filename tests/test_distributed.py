@@ -9,7 +9,6 @@ import asyncio
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,12 +20,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, tie_word_embeddings=True)
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo runs tested on Linux")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------- DDP
@@ -76,7 +69,7 @@ def _generate(lm, prompts, max_new_tokens):
     return asyncio.run(all_of_them())
 
 
-def _fsdp_worker(rank: int, port: int, out: str) -> None:
+def _fsdp_worker(rank: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -90,7 +83,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
     from trainers.setup import frozen_copy
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
     mesh = init_device_mesh("cpu", (2,))
     lm = build_causal_lm(config=TINY, vocab_size=100, seed=0)
     plain = PolicyModel(copy.deepcopy(lm))  # the unsharded twin: what every result must equal
@@ -163,7 +156,7 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 
 @linux_only
 def test_fsdp2_with_the_embedded_engine(tmp_path):
-    torch.multiprocessing.spawn(_fsdp_worker, args=(_free_port(), str(tmp_path)), nprocs=2)
+    torch.multiprocessing.spawn(_fsdp_worker, args=(str(tmp_path),), nprocs=2)
     for rank in (0, 1):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert r["gathered"] and r["resharded"], r

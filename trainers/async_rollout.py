@@ -15,8 +15,8 @@ module into the generator's copy, in place (no files).
 episodes. Rank 1 generates (`serve`): it executes the trainer's commands in order — weights, play, evaluate, stop —
 with its own copy of the policy on the embedded engine (`trainers.rollouts.LocalRollouts`)::
 
-    trainer:   w0 play1 | wait B1 | play2 | train 1 | wait B2 | w1 play3 | train 2 | wait B3 | w2 play4 | train 3
-    generator:          | B1 (w0)         | B2 (w0)                     | B3 (w1)                    | B4 (w2)
+    trainer:    send w0, ask 1 | wait for B1 | ask 2, train 1 | wait for B2 | send w1, ask 3, train 2 | wait ...
+    generator:  play B1 with w0               | play B2 with w0              | play B3 with w1         | ...
 
 Step k trains on episodes generated with the weights of step k-2 while the trainer holds those of step k-1: a
 staleness of one update (0 for the first step of a session), logged per batch (``async/staleness_mean``,
