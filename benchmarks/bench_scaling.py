@@ -40,6 +40,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from trainers.checkpoints import scan  # noqa: E402
+
 SMOKE = "gsm8k_smoke_random_0.5b.yaml"
 #: NCCL on machines whose NVLink multicast must stay off
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -190,7 +194,8 @@ def write(out: Path, results: dict, meta: dict) -> dict:
         lines += ["", f"== {name}: {r['status']} in {r['wall_s']}s", f"   {r['command']}"]
         if "step_s" in r:
             lines.append(f"   step_s {r['step_s']:.2f} (median of steps {r['timed_steps']}), episodes/step "
-                         f"{r['episodes_per_step']:.0f}, episodes/s {r['episodes_per_s']:.1f}, peak {r['peak_gib']}")
+                         f"{r['episodes_per_step']:.0f}, episodes/s {r['episodes_per_s']:.1f}, peak {r['peak_gib']} "
+                         f"GiB, checkpoints {r.get('checkpoints')}")
             lines += [f"     {k} {v:.3f}" for k, v in r["medians"].items()]
         lines += [f"   | {line}" for line in r.get("log_tail", [])]
     (out / "scaling.txt").write_text("\n".join(lines) + "\n")
@@ -235,6 +240,7 @@ def main() -> int:
             r["report"] = json.loads((work / "ddp_check.json").read_text())
         else:
             r.update(step_figures(work / run["name"], args.warmup if run["name"] != "fsdp3b" else 1))
+            r["checkpoints"] = {f.path.name: f.problem or "complete" for f in scan(work / run["name"])}
         tail = Path(r["log"]).read_text(errors="replace").splitlines()
         r["log_tail"] = tail[-40:] if r["status"] != "ok" else tail[-6:]
         results[run["name"]] = r

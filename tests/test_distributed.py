@@ -69,87 +69,116 @@ def _generate(lm, prompts, max_new_tokens):
     return asyncio.run(all_of_them())
 
 
-def _fsdp_worker(rank: int, out: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+def _full(module) -> list[torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    from mt_env.batch import TrainBatch
-    from trainers.config import load_config
-    from trainers.distributed import (FullStateDict, forward_passes_everywhere, frozen_reference,
-                                      gathered_for_generation, initialize_root)
-    from trainers.modeling import PolicyModel, build_causal_lm
-    from trainers.ppo import Models, score
-    from trainers.setup import frozen_copy
+    return [p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for p in module.parameters()]
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
-    mesh = init_device_mesh("cpu", (2,))
-    lm = build_causal_lm(config=TINY, vocab_size=100, seed=0)
-    plain = PolicyModel(copy.deepcopy(lm))  # the unsharded twin: what every result must equal
-    reference_copy = PolicyModel(frozen_copy(lm))
-    policy = _shard(PolicyModel(lm), mesh)
-    initialize_root(policy, torch.device("cpu"))
-    report = {}
 
-    # generation: different requests and lengths on each process, no collective inside the context
+def _max_diff(a, b) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(_full(a), _full(b)))
+
+
+def _sharded(module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return all(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _check_generation(rank, policy, plain) -> dict:
+    """Different requests and lengths on each process, no collective inside the context."""
+    from trainers.distributed import gathered_for_generation
+
     prompts, new = ([[1, 2, 3, 4], [5, 6, 7], [9]], 12) if rank == 0 else ([[8, 9]], 3)
     with gathered_for_generation(policy):
-        report["gathered"] = all(not isinstance(p, DTensor) for p in lm.parameters())
-        turns = _generate(lm, prompts, new)
+        gathered = not any(_sharded(layer) for layer in policy.lm.model.layers)
+        turns = _generate(policy.lm, prompts, new)
     expected = _generate(plain.lm, prompts, new)
-    report["same_tokens"] = [t.ids for t in turns] == [t.ids for t in expected]
-    report["logprob_diff"] = max(abs(a - b) for t, e in zip(turns, expected) for a, b in zip(t.logprobs, e.logprobs))
-    report["resharded"] = all(isinstance(p, DTensor) for p in lm.parameters())
+    return {"gathered": gathered, "resharded": _sharded(policy),
+            "same_tokens": [t.ids for t in turns] == [t.ids for t in expected],
+            "logprob_diff": max(abs(a - b) for t, e in zip(turns, expected) for a, b in zip(t.logprobs, e.logprobs))}
 
-    # scoring: 5 rows on one process, 2 on the other, micro-batches of 2 -> 3 and 1 forward passes, padded to 3
-    cfg = load_config("quickstart.yaml", ["trainer.micro_batch_size=2"])
-    g = torch.Generator().manual_seed(rank)
+
+def _check_scoring(rank, policy, plain) -> dict:
+    """5 rows on one process, 2 on the other, micro-batches of 2: 3 and 1 forward passes, padded to 3."""
+    from mt_env.batch import TrainBatch
+    from trainers.config import load_config
+    from trainers.distributed import forward_passes_everywhere
+    from trainers.ppo import Models, score
+
     rows = 5 if rank == 0 else 2
-    ids = torch.randint(1, 100, (rows, 10), generator=g)
-    ones = torch.ones_like(ids)
-    batch = TrainBatch(input_ids=ids, attention_mask=ones, position_ids=ones.cumsum(-1) - 1,
-                       loss_mask=ones.float(), rewards=ones.float() * 0, rollout_logprobs=ones.float() * 0,
-                       turn_ids=ones * 0, group=torch.arange(rows), episode=torch.arange(rows),
-                       episode_rewards=torch.zeros(rows))
-    report["passes"] = forward_passes_everywhere(1 if rank else 3, policy)
-    scored = score(batch, Models(policy, None, None), cfg).old_logprobs
+    ids = torch.randint(1, 100, (rows, 10), generator=torch.Generator().manual_seed(rank))
+    ones, zeros = torch.ones_like(ids), torch.zeros(ids.shape)
+    batch = TrainBatch(input_ids=ids, attention_mask=ones, position_ids=ones.cumsum(-1) - 1, loss_mask=ones.float(),
+                       rewards=zeros, rollout_logprobs=zeros, turn_ids=ones * 0, group=torch.arange(rows),
+                       episode=torch.arange(rows), episode_rewards=torch.zeros(rows))
+    scored = score(batch, Models(policy, None, None), load_config("quickstart.yaml", ["trainer.micro_batch_size=2"]))
     with torch.no_grad():
         want, _ = plain(ids, ones.float(), attention_mask=ones, position_ids=ones.cumsum(-1) - 1)
-    report["score_diff"] = float((scored - want).abs().max())
+    return {"passes": forward_passes_everywhere(1 if rank else 3, policy),
+            "score_diff": float((scored.old_logprobs - want).abs().max())}
 
-    # a training step on the shards after generation: both processes see the same batch, so the averaged
-    # gradient is the unsharded model's
+
+def _check_training_step(policy, plain) -> dict:
+    """Both processes see the same batch, so the averaged gradient is the unsharded model's."""
     x = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(7))
-    before = [p.detach().clone() for p in plain.parameters()]
+    before = [t.clone() for t in _full(plain)]
     for model in (policy, plain):
         logprobs, _ = model(x, torch.ones_like(x).float())
         logprobs.sum().backward()
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * p.grad
-    with torch.no_grad():
-        report["step_size"] = max(float((p - b).abs().max()) for p, b in zip(plain.parameters(), before))
-        report["step_diff"] = max(float((a.full_tensor() - b).abs().max())
-                                  for a, b in zip(policy.parameters(), plain.parameters()))
+    return {"step_size": max(float((p - b).abs().max()) for p, b in zip(_full(plain), before)),
+            "step_diff": _max_diff(policy, plain)}
 
-    # the KL reference, sharded like the policy, with its weights; and its checkpoint round trip
+
+def _check_reference(rank, out, mesh, reference_copy, policy) -> dict:
+    """The KL reference, sharded like the policy, with its weights; and its checkpoint round trip."""
+    import torch.distributed as dist
+
+    from trainers.distributed import FullStateDict, frozen_reference
+    from trainers.modeling import PolicyModel, build_causal_lm
+    from trainers.setup import frozen_copy
+
     reference = frozen_reference(reference_copy, policy, shard=lambda m: _shard(m, mesh))
-    report["reference_sharded"] = all(isinstance(p, DTensor) for p in reference.parameters())
-    with torch.no_grad():
-        report["reference_diff"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())
-                                       for a, b in zip(reference.parameters(), policy.parameters()))
     state = FullStateDict(reference).state_dict()  # gathered on the main process only
-    report["state_keys"] = len(state)
     path = Path(out) / "reference.pt"
     if rank == 0:
         torch.save(state, path)
     dist.barrier()
     restored = _shard(PolicyModel(frozen_copy(build_causal_lm(config=TINY, vocab_size=100, seed=1))), mesh)
     FullStateDict(restored).load_state_dict(torch.load(path))
-    report["restored_diff"] = max(float((a.full_tensor() - b.full_tensor()).abs().max())
-                                  for a, b in zip(restored.parameters(), reference.parameters()))
-    (Path(out) / f"rank{rank}.json").write_text(json.dumps(report))
+    return {"reference_sharded": _sharded(reference), "reference_diff": _max_diff(reference, policy),
+            "state_keys": len(state), "restored_diff": _max_diff(restored, reference)}
+
+
+def _fsdp_report(rank: int, out: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from trainers.distributed import initialize_root
+    from trainers.modeling import PolicyModel, build_causal_lm
+    from trainers.setup import frozen_copy
+
+    mesh = init_device_mesh("cpu", (2,))
+    lm = build_causal_lm(config=TINY, vocab_size=100, seed=0)
+    plain = PolicyModel(copy.deepcopy(lm))  # the unsharded twin: what every result must equal
+    reference_copy = PolicyModel(frozen_copy(lm))
+    policy = _shard(PolicyModel(lm), mesh)
+    initialize_root(policy, torch.device("cpu"))
+    return {**_check_generation(rank, policy, plain), **_check_scoring(rank, policy, plain),
+            **_check_training_step(policy, plain), **_check_reference(rank, out, mesh, reference_copy, policy)}
+
+
+def _fsdp_worker(rank: int, out: str) -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(_fsdp_report(rank, out)))
+    gc.collect()  # the sharded modules and their pending gloo work go while the group is alive (pytorch#179291)
     dist.barrier()
     dist.destroy_process_group()
 
