@@ -153,20 +153,38 @@ def resolve(path: str | Path) -> Path:
 
 def policy_state_dict(checkpoint: Path) -> dict:
     """The policy LM's weights in a checkpoint, keyed as the Hugging Face model names them (accelerate saves the
-    `PolicyModel`, i.e. ``lm.``-prefixed keys, ``module.lm.`` from a DDP-wrapped model)."""
+    `PolicyModel`, i.e. ``lm.``-prefixed keys, ``module.lm.`` from a DDP-wrapped model). An FSDP run's checkpoint
+    holds them as one file (full state dict) or as shards (torch.distributed.checkpoint), merged here."""
+    import torch
+
     if (checkpoint / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
         state = load_file(str(checkpoint / "model.safetensors"))
     elif (checkpoint / "pytorch_model.bin").is_file():
-        import torch
-
         state = torch.load(checkpoint / "pytorch_model.bin", map_location="cpu")
+    elif (checkpoint / "pytorch_model_fsdp.bin").is_file():
+        state = torch.load(checkpoint / "pytorch_model_fsdp.bin", map_location="cpu")
+    elif (checkpoint / "pytorch_model_fsdp_0").is_dir():
+        state = _merged_shards(checkpoint / "pytorch_model_fsdp_0")["model"]
     else:
-        raise FileNotFoundError(f"no model weights (model.safetensors) in {checkpoint}"
-                                + (": FSDP sharded state, not supported" if any(checkpoint.glob("*fsdp*")) else ""))
+        raise FileNotFoundError(f"no model weights (model.safetensors, or an FSDP run's pytorch_model_fsdp*) in "
+                                f"{checkpoint}")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     return {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+
+
+def _merged_shards(directory: Path) -> dict:
+    """A torch.distributed.checkpoint directory (what accelerate writes for FSDP's sharded state) as one state
+    dict, in this process."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(directory, Path(tmp) / "merged.pt")
+        return torch.load(Path(tmp) / "merged.pt", map_location="cpu")
 
 
 # ================================================================================================== the run plan

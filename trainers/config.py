@@ -156,7 +156,7 @@ class AlgorithmConfig:
     value_clip: float | None = option(0.2, "PPO: new values clipped to this distance of the old (null: off)", gt=0)
     value_coef: float = option(0.5, "PPO: weight of the value loss", ge=0)
     tis_cap: float | None = option(None, "truncated importance sampling cap for the rollout/trainer logprob "
-                                         "mismatch (null: off)", gt=0)
+                                         "mismatch (null: off; 2 when trainer.async_rollout is on)", gt=0)
 
 
 @dataclass
@@ -180,6 +180,11 @@ class TrainerConfig:
                                         "path; null: never (refuse an output_dir that holds a run)")
     time_limit_s: float | None = option(None, "stop (with a final eval and checkpoint) after this much wall time "
                                               "of this session", gt=0)
+    async_rollout: bool = option(False, "one-step off-policy on exactly 2 processes: one generates step k+1's "
+                                        "episodes while the other trains on step k (rollout.backend hf; "
+                                        "algorithm.tis_cap defaults to 2 then)")
+    async_timeout_s: float = option(1800.0, "async_rollout: the longest wait for the other process (a rollout, an "
+                                            "update, a checkpoint) before the run fails instead of hanging", gt=0)
 
 
 @dataclass
@@ -321,6 +326,8 @@ def validate(cfg: Config, training: bool = True) -> Config:
         if a.kl_mode == "reward" and a.name == "grpo":
             raise ConfigError("algorithm.kl_mode=reward has no effect on GRPO (its advantages use episode returns): "
                               "use kl_mode=loss with GRPO, or algorithm.name=ppo")
+    if training and cfg.trainer.async_rollout:
+        _check_async(cfg)
     if r.backend == "sglang_server" and not r.server_urls:
         raise ConfigError("rollout.backend=sglang_server needs rollout.server_urls")
     if not (cfg.model.path or cfg.model.preset or cfg.model.config):
@@ -340,6 +347,17 @@ def validate(cfg: Config, training: bool = True) -> Config:
         raise ConfigError("output_dir must not be empty")
     _check_env(cfg, training)
     return cfg
+
+
+def _check_async(cfg: Config) -> None:
+    """One-step off-policy mode generates with the embedded engine on the generator's own copy of the policy; its
+    samples are one update old, which truncated importance sampling corrects (on by default, cap 2, as verl's
+    one-step-off-policy recipe)."""
+    if cfg.rollout.backend != "hf":
+        raise ConfigError(f"trainer.async_rollout runs the embedded engine on the generator process: it needs "
+                          f"rollout.backend=hf, not {cfg.rollout.backend}")
+    if cfg.algorithm.tis_cap is None:
+        cfg.algorithm.tis_cap = 2.0
 
 
 def _check_env(cfg: Config, training: bool) -> None:

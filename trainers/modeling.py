@@ -174,6 +174,8 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.lm = lm
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
+        # the LM's layer classes: accelerate's FSDP wraps each of them as its own unit (its auto-wrap policy reads this)
+        self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):

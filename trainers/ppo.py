@@ -3,7 +3,10 @@
 
     python trainers/ppo.py                                   # the offline quickstart (Calculator-v0, CPU)
     python trainers/ppo.py --config gsm8k_qwen2.5_0.5b.yaml --set trainer.lr=2e-6 --set rollout.n=8
-    accelerate launch --num_processes 2 trainers/ppo.py --config ...          # DDP / FSDP per accelerate config
+    accelerate launch --num_processes 2 trainers/ppo.py --config ...          # DDP
+    accelerate launch --config_file trainers/configs/accelerate/fsdp2.yaml trainers/ppo.py --config ...  # FSDP2
+    accelerate launch --num_processes 2 trainers/ppo.py --config ... --set trainer.async_rollout=true
+                     # one-step off-policy: one process generates while the other trains (trainers/async_rollout.py)
 
 One training step (`main`, after `build` made the run):
 
@@ -27,7 +30,6 @@ boundary with a checkpoint and the command that continues (`trainers.stopping`).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import functools
 import math
@@ -47,15 +49,17 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from agents.policy import Policy, SamplingParams
-from agents.rollout import RolloutDriver
 from mt_env.batch import TrainBatch, collate, pack
 from trainers import algos
+from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
 from trainers.config import Config, load_config
+from trainers.distributed import (FullStateDict, forward_passes_everywhere, frozen_reference, fsdp_sharding,
+                                  initialize_root, peak_memory)
 from trainers.modeling import PolicyModel
+from trainers.rollouts import LocalRollouts, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
-                            make_backend, make_models, make_tokenizer, sync_weights)
+                            make_models, make_tokenizer)
 from trainers.sft import demonstration_samples, sft_warm_start
 from trainers.stopping import EmptySteps, StopRequested, entry_point, resume_command
 from trainers.tracking import Tracker
@@ -71,10 +75,12 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.set)
-    accelerator, plan = open_run(cfg)  # a new run, a resume from its newest complete checkpoint, or nothing to do
+    accelerator, plan, link = open_run(cfg)  # a new run, a resume from its newest checkpoint, or nothing to do
     if plan.finished:
         return plan.state.summary()
-    run = build(cfg, accelerator, plan)
+    run = build(cfg, accelerator, plan, link)
+    if link is not None and not link.trains:  # trainer.async_rollout: this process generates for the trainer
+        return serve(run.rollouts, link, run.lm)
     acc, t = run.accelerator, cfg.trainer
     if run.state.first_eval is None:
         evaluate(run, 0)  # the starting level (after SFT): what RL has to beat
@@ -85,7 +91,7 @@ def main(argv=None) -> dict:
 
             # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
             tasks = run.tasks.next(cfg.rollout.prompts_per_step)[acc.process_index::acc.num_processes]
-            result = run.driver.run(tasks, n=cfg.rollout.n, step=step)
+            result = run.rollouts.play(tasks, n=cfg.rollout.n, step=step)
             metrics = dict(result.metrics, **{"perf/rollout_s": time.perf_counter() - step_start})
             # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
             if _global(acc, sum(sum(s.loss_mask()) for s in result.samples), "min") == 0:
@@ -115,7 +121,7 @@ def main(argv=None) -> dict:
             metrics.update(update(batch, run.models, acc, cfg, step))
             run.models.scheduler.step()
             update_s = time.perf_counter() - update_start
-            sync = sync_backend(run)
+            sync = run.rollouts.after_update()
 
             # 6. LOG, EVALUATE, CHECKPOINT
             run.state.step = step
@@ -124,7 +130,7 @@ def main(argv=None) -> dict:
                 "perf/tokens": float(batch.attention_mask.sum()), "perf/trained_tokens": float(batch.loss_mask.sum()),
                 "perf/sequences": len(batch), "perf/epochs": t.epochs,
                 "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
-                "dist/processes": acc.num_processes,
+                "dist/processes": acc.num_processes, **peak_memory(acc.device),
             })
             log_metrics(run, step, metrics)
             if step == 1:
@@ -170,36 +176,40 @@ class Run:
     tokenizer: Any
     models: Models
     lm: torch.nn.Module  #: the plain HF module inside the policy: generation runs on it, sharing the weights
-    backend: Policy
-    driver: RolloutDriver
-    eval_driver: RolloutDriver
+    rollouts: LocalRollouts | RemoteRollouts  #: plays the episodes (`trainers.rollouts`) and the evaluations
     tasks: TaskSource  #: training tasks, with a position that checkpoints restore
     held_out: list[dict]  #: evaluation tasks
     state: RunState  #: the step, the run's clock and its evaluations: saved in every checkpoint's manifest
-    checkpointer: Checkpointer
+    checkpointer: Checkpointer | None  #: None on the generator process of async mode (it saves nothing)
     start: float  #: `time.perf_counter()` when this session started (`trainer.time_limit_s`)
     empty_steps: EmptySteps = field(default_factory=EmptySteps)  #: steps in a row that trained nothing
 
 
-def open_run(cfg: Config) -> tuple[Accelerator, RunPlan]:
+def open_run(cfg: Config) -> tuple[Accelerator, RunPlan, Link | None]:
     """The processes, and what this command does with output_dir (`trainers.checkpoints.plan_run`): start a run,
-    resume one, or nothing if it is finished; the main process says which, and why."""
+    resume one, or nothing if it is finished; the main process says which, and why. In async mode the two
+    processes are joined by a `Link` (each is a one-process run for accelerate)."""
+    link = open_link(cfg) if cfg.trainer.async_rollout else None
     accelerator = make_accelerator(cfg)
     plan = plan_run(cfg)
-    for note in plan.notes:  # which checkpoint it resumes from and why it skipped others, or that it is finished
+    for note in plan.notes if link is None or link.trains else ():  # the checkpoint it resumes from, and why
         accelerator.print(note)
     accelerator.wait_for_everyone()  # every process has read the run directory before the main one writes to it
-    return accelerator, plan
+    if link is not None:
+        link.barrier()
+    return accelerator, plan, link
 
 
-def build(cfg: Config, accelerator: Accelerator, plan: RunPlan) -> Run:
+def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | None = None) -> Run:
     """The run described by `cfg` and `plan`: tracker, tokenizer, envs and tasks, models and optimizers (after the
-    SFT warm start, or restored from the plan's checkpoint), the generation backend and the rollout drivers."""
+    SFT warm start, or restored from the plan's checkpoint) and where the episodes come from. In async mode
+    (`link`) the trainer builds no engine and the generator nothing that trains: it gets its weights from the
+    trainer."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     set_seed(cfg.seed, device_specific=False)
-    state, resuming = plan.state, plan.checkpoint is not None
-    tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=accelerator.is_main_process,
+    state, resuming, trains = plan.state, plan.checkpoint is not None, link is None or link.trains
+    tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=accelerator.is_main_process and trains,
                       jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                       wandb_project=cfg.logging.wandb_project, resume_step=state.step if resuming else None,
                       clock=state.elapsed)
@@ -209,45 +219,47 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan) -> Run:
     probe_env = make_env().unwrapped
     tasks = TaskSource(probe_env, seed=cfg.seed)
     held_out = eval_tasks(cfg, make_eval_env().unwrapped)
-    models = _trainable_models(cfg, tokenizer, accelerator)
-    accelerator.register_for_checkpointing(tasks)
+    models, reference = _trainable_models(cfg, tokenizer, accelerator, trains)
     lm = accelerator.unwrap_model(models.policy).lm
-    checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer)
-    if cfg.sft.steps and not resuming:
-        _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker)
-    # the KL reference is the policy as RL starts (after SFT); a checkpoint restores it with everything else
-    if cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0:
-        models.reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer))
-        accelerator.register_for_checkpointing(models.reference)
-    if resuming:
-        accelerator.load_state(str(plan.checkpoint))
-
-    weights_changed = bool(cfg.sft.steps) or resuming or not cfg.model.path
-    backend = make_backend(cfg, lm, tokenizer, weights_changed, accelerator.local_process_index)
-    sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
-                              max_new_tokens=cfg.rollout.max_new_tokens)
-    rank, world = accelerator.process_index, accelerator.num_processes
-    driver = RolloutDriver(make_env, backend, sampling, seed=cfg.seed * 1000 + rank,
-                           progress=cfg.logging.progress and accelerator.is_main_process,
-                           max_concurrency=cfg.rollout.prompts_per_step // world * cfg.rollout.n)
-    eval_driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.seed * 1000 + 500 + rank,
-                                max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
+    checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer) if trains else None
+    if trains:
+        accelerator.register_for_checkpointing(tasks)
+        if cfg.sft.steps and not resuming:
+            _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker)
+        if reference is not None:  # the KL reference is the policy as RL starts (after SFT), or as checkpointed
+            policy = accelerator.unwrap_model(models.policy)
+            models.reference = frozen_reference(reference, policy, fsdp_sharding(accelerator))
+            accelerator.register_for_checkpointing(FullStateDict(models.reference))
+        if resuming:
+            accelerator.load_state(str(plan.checkpoint))
+    if link is not None and link.trains:
+        rollouts = RemoteRollouts(link, lm, tasks, cfg.trainer.total_steps)
+    else:
+        weights_changed = bool(cfg.sft.steps) or resuming or not cfg.model.path
+        rollouts = make_rollouts(cfg, accelerator, models.policy, lm, tokenizer, make_env, make_eval_env,
+                                 weights_changed)
     return Run(cfg=cfg, accelerator=accelerator, tracker=tracker, tokenizer=tokenizer, models=models, lm=lm,
-               backend=backend, driver=driver, eval_driver=eval_driver, tasks=tasks, held_out=held_out, state=state,
-               checkpointer=checkpointer, start=start)
+               rollouts=rollouts, tasks=tasks, held_out=held_out, state=state, checkpointer=checkpointer,
+               start=start)
 
 
-def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator) -> Models:
-    """The policy and (PPO) the critic with their optimizers and the learning-rate schedule, prepared by accelerate."""
-    lm, critic_model = make_models(cfg, tokenizer, accelerator.device)
+def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator,
+                      trains: bool = True) -> tuple[Models, PolicyModel | None]:
+    """The policy and (PPO) the critic with their optimizers and the learning-rate schedule, prepared by accelerate;
+    and, when the loss has a KL term, an unprepared frozen copy of the policy for the reference (FSDP modules
+    cannot be copied once sharded). The generator of async mode (`trains` false) needs only the policy."""
+    lm, critic_model = make_models(cfg, tokenizer, accelerator.device, critic=trains)
     policy = PolicyModel(lm, vocab_limit=len(tokenizer))
+    uses_reference = trains and cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0
+    reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer)) if uses_reference else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
     models = Models(*accelerator.prepare(policy, optimizer, scheduler))
+    initialize_root(models.policy, accelerator.device)
     if critic_model is not None:
         critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
         models.critic, models.critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)
-    return models
+    return models, reference
 
 
 def _warm_start(cfg: Config, make_env, demo_source: TaskSource, policy, accelerator: Accelerator,
@@ -284,12 +296,15 @@ def forward(model, mb: TrainBatch, cfg: Config, critic: bool = False, with_entro
 def score(batch: TrainBatch, models: Models, cfg: Config) -> tuple[TrainBatch, dict]:
     """The batch with the policy's logprobs before the update (`old_logprobs`), the reference's and the critic's
     values on its exact ids, computed in micro-batches; and each pass's seconds (``perf/<pass>_s``)."""
-    chunks = torch.arange(len(batch), device=batch.input_ids.device).split(cfg.trainer.micro_batch_size)
+    rows = torch.arange(len(batch), device=batch.input_ids.device)
+    chunks = list(rows.split(cfg.trainer.micro_batch_size))
+    # under FSDP every forward pass all-gathers: a process with fewer chunks runs one-row passes it discards
+    padding = [rows[:1]] * (forward_passes_everywhere(len(chunks), models.policy) - len(chunks))
     seconds = {}
 
     def each(name, model, critic=False):
         start = time.perf_counter()
-        outputs = [forward(model, batch[rows], cfg, critic=critic) for rows in chunks]
+        outputs = [forward(model, batch[r], cfg, critic=critic) for r in chunks + padding][:len(chunks)]
         out = torch.cat(outputs if critic else [logprobs for logprobs, _ in outputs])
         if out.is_cuda:  # the pass's kernels, not just their launches
             torch.cuda.synchronize(out.device)
@@ -327,6 +342,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     """The masked, clipped PPO update: `epochs` passes of shuffled mini-batches, one optimizer step each, its
     gradient accumulated over micro-batches."""
     stats: dict[str, list] = {}
+    token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
     models.policy.train()
     optimizer_steps = 0
@@ -342,8 +358,10 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
                     accelerator.backward(loss)
                 for key, value in terms.items():  # each micro-batch's share of the mini-batch loss, scaled up
                     _add(stats, key, value * len(minibatch.micro))
+                n = float(batch.loss_mask[rows].sum()) * weight
                 for key, value in token_stats.items():
-                    _add(stats, key, value)
+                    token_sums[key] = token_sums.get(key, 0.0) + value * n
+                tokens += n
             grad_norm = accelerator.clip_grad_norm_(models.trained_parameters(), cfg.trainer.max_grad_norm)
             if finite and torch.isfinite(grad_norm):
                 for optimizer in models.optimizers():
@@ -357,7 +375,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["actor/skipped_updates"] = float(sum(stats.get("actor/skipped_updates", [0.0])))
     out["actor/mini_batches"] = float(optimizer_steps)
-    return out
+    return {**out, **_token_means(accelerator, token_sums, tokens)}
 
 
 def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: float = 1.0):
@@ -373,6 +391,8 @@ def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: f
                   else None)
     pg_loss, stats = algos.policy_loss(logprobs, mb.old_logprobs, mb.advantages, loss_mask, a.clip_low, a.clip_high,
                                        a.dual_clip, a.loss_agg, is_weights, **norms)
+    if is_weights is not None:
+        stats["actor/tis_weight_mean"] = algos.masked_mean(is_weights, loss_mask).item()
     terms = {"actor/loss": pg_loss}  # the terms that are on
     if entropy is not None:
         terms["actor/entropy"] = aggregate(entropy)
@@ -404,14 +424,19 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
     t, world = cfg.trainer, accelerator.num_processes
     n_mini = int(_global(accelerator, max(1, math.ceil(len(batch) / (t.minibatch_size // world))), "max"))
     order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
-    for rows in order.tensor_split(n_mini):
-        loss_mask = batch.loss_mask[rows]
-        norms = {"norm_tokens": _global(accelerator, loss_mask.sum(), "sum") / world,
-                 "norm_seqs": _global(accelerator, (loss_mask.sum(-1) > 0).sum(), "sum") / world,
+    splits = order.tensor_split(n_mini)
+    micro = [list(rows.split(t.micro_batch_size)) or [rows] for rows in splits]
+    # per mini-batch: trained tokens, sequences with any, micro-batches — from every process, in one collective
+    mine = torch.stack([torch.stack([batch.loss_mask[rows].sum(), (batch.loss_mask[rows].sum(-1) > 0).sum(),
+                                     torch.tensor(float(len(m)), device=order.device)]).double()
+                        for rows, m in zip(splits, micro)])
+    everyone = (accelerator.gather(mine) if world > 1 else mine).reshape(world, n_mini, 3)
+    tokens, seqs, slots = everyone[..., 0].sum(0).tolist(), everyone[..., 1].sum(0).tolist(), everyone[..., 2].amax(0)
+    for k, rows in enumerate(splits):
+        norms = {"norm_tokens": tokens[k] / world, "norm_seqs": seqs[k] / world,
                  "constant": cfg.env.budget.max_response_tokens}
-        micro = list(rows.split(t.micro_batch_size)) or [rows]
-        micro += [rows[:0]] * (int(_global(accelerator, len(micro), "max")) - len(micro))
-        yield MiniBatch([(m, 1.0) if m.numel() else (rows[:1], 0.0) for m in micro], norms)
+        padded = micro[k] + [rows[:0]] * (int(slots[k]) - len(micro[k]))
+        yield MiniBatch([(m, 1.0) if m.numel() else (order[:1], 0.0) for m in padded], norms)
 
 
 def logprob_mismatch(batch: TrainBatch) -> dict:
@@ -427,28 +452,12 @@ def logprob_mismatch(batch: TrainBatch) -> dict:
             "mismatch/ratio_min": ratio.min().item()}
 
 
-def sync_backend(run: Run) -> str:
-    """Push the updated weights to the generation backend (servers are shared: the main process syncs them once);
-    returns what was done, for the log."""
-    sync = "synced by the main process"
-    if run.cfg.rollout.backend != "sglang_server" or run.accelerator.is_main_process:
-        sync = asyncio.run(sync_weights(run.backend, run.lm, run.cfg.output_dir))
-    run.accelerator.wait_for_everyone()
-    return sync
-
-
 # ================================================================================================== log, evaluate, save
 def evaluate(run: Run, step: int) -> dict:
-    """Held-out episodes through the same rollout driver: greedy, or sampled with pass@k over `eval.samples`."""
-    cfg, acc = run.cfg, run.accelerator
-    overrides = {"temperature": 0.0} if cfg.eval.greedy else {}
-    result = run.eval_driver.run(run.held_out[acc.process_index::acc.num_processes], n=cfg.eval.samples, step=0,
-                                 **overrides)
-    summary = result.summary()
-    metrics = {f"val/{k}": summary[k] for k in ("success", "reward", "turns", "tool_call_rate")}
-    metrics["val/failed"] = float(len(result.episodes)) - summary["played"]
-    if cfg.eval.samples > 1:
-        metrics[f"val/pass@{cfg.eval.samples}"] = summary["pass@n"]
+    """Held-out episodes through the same rollout driver (each process plays its share): greedy, or sampled with
+    pass@k over `eval.samples`."""
+    acc = run.accelerator
+    metrics = run.rollouts.evaluate(run.held_out[acc.process_index::acc.num_processes], step)
     metrics = reduce_metrics(acc, metrics)
     run.tracker.log(step, metrics, console=False)
     run.tracker.message(f"eval  {step:>4} | success {metrics['val/success']:.3f} | reward {metrics['val/reward']:.3f} "
@@ -490,9 +499,9 @@ def finish(run: Run, config_name: str, stopped_by: str | None = None, argv: list
         f"success {_pct(summary['start_val_success'])} (before RL) -> {_pct(summary['final_val_success'])} | "
         f"metrics {out / 'metrics.jsonl'}" + (f" | curves {summary.get('curves')}" if summary.get("curves") else ""))
     run.tracker.close()
-    run.driver.close()
-    run.eval_driver.close()
-    asyncio.run(run.backend.close())
+    run.rollouts.close()
+    run.accelerator.wait_for_everyone()
+    run.accelerator.end_training()  # every process leaves the process group together
     return summary
 
 
@@ -501,11 +510,13 @@ COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout
           "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "val/failed", "grpo/groups",
           "grpo/zero_variance_groups"}
 COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
+#: metrics that are maxima over the processes (memory per GPU)
+MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "async/staleness_max"}
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Combine the processes' metrics: counts are summed, the rest averaged. Processes may report different keys
-    (e.g. episode end reasons), so the dicts are gathered as objects, not as one tensor."""
+    """Combine the processes' metrics: counts are summed, maxima (`MAXIMA`) maximised, the rest averaged. Processes
+    may report different keys (e.g. episode end reasons), so the dicts are gathered as objects, not as one tensor."""
     if accelerator.num_processes == 1:
         return metrics
     from accelerate.utils import gather_object
@@ -514,13 +525,28 @@ def reduce_metrics(accelerator, metrics: dict) -> dict:
     out = {}
     for key in sorted({k for d in everyone for k in d}):
         values = [float(d[key]) for d in everyone if key in d]
-        out[key] = sum(values) if key in COUNTS or key.startswith(COUNT_PREFIXES) else sum(values) / len(values)
+        if key in MAXIMA:
+            out[key] = max(values)
+        elif key in COUNTS or key.startswith(COUNT_PREFIXES):
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
     return out
 
 
 # ================================================================================================== helpers
 def _add(stats: dict, key: str, value: float) -> None:
     stats.setdefault(key, []).append(value)
+
+
+def _token_means(accelerator, sums: dict[str, float], tokens: float) -> dict[str, float]:
+    """Per-token statistics of the whole update over every process's tokens (what one process would log for the
+    global batch): one all-reduce of the token-weighted sums."""
+    keys = sorted(sums)
+    t = torch.tensor([sums[k] for k in keys] + [tokens], dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+    return {k: float(v) / max(float(t[-1]), 1.0) for k, v in zip(keys, t[:-1])}
 
 
 def _global(accelerator, x, op: str) -> float:

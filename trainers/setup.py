@@ -26,6 +26,7 @@ from mt_env.env import ToolEnv
 from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokenizer
 
 from .config import Config, ConfigError
+from .distributed import ddp_kwargs
 from .modeling import build_causal_lm
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,20 +34,28 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # --------------------------------------------------------------------------------------------- processes
 def make_accelerator(cfg: Config) -> Accelerator:
-    """One process, or DDP/FSDP under ``accelerate launch`` (checkpoints are named and kept by
+    """One process, or DDP/FSDP2 under ``accelerate launch`` (checkpoints are named and kept by
     `trainers.checkpoints.Checkpointer`, not by accelerate). Checks that the global batch sizes split between the
-    processes."""
+    processes, and what FSDP can shard."""
     cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=cpu)
+    accelerator = Accelerator(cpu=cpu, kwargs_handlers=[ddp_kwargs()])
     world = accelerator.num_processes
     for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
                         ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
         if value % world:
             raise ConfigError(f"{name}={value} is a global size: it must divide by the {world} processes")
-    if accelerator.distributed_type == DistributedType.FSDP and cfg.rollout.backend == "hf":
-        raise ConfigError("FSDP shards the policy, and the embedded HF backend generates on the trainer's own module: "
-                          "use rollout.backend=sglang_engine or sglang_server with FSDP (or DDP with the HF backend)")
+    if accelerator.distributed_type == DistributedType.FSDP:
+        _check_fsdp(cfg, accelerator)
     return accelerator
+
+
+def _check_fsdp(cfg: Config, accelerator: Accelerator) -> None:
+    if not accelerator.is_fsdp2:
+        raise ConfigError("FSDP1 cannot gather the policy for the embedded engine: set fsdp_version: 2 in the "
+                          "accelerate config (trainers/configs/accelerate_fsdp2.yaml)")
+    if cfg.algorithm.name == "ppo":
+        raise ConfigError("FSDP2 shards one model per run here, and PPO trains a critic too: use GRPO with FSDP, or "
+                          "DDP for PPO")
 
 
 def lr_factor(cfg: Config) -> Callable[[int], float]:
@@ -118,28 +127,35 @@ class TaskSource:
     env: ToolEnv
     seed: int
     position: int = 0
-    _order: list[int] = field(default_factory=list)
+    _order: list[int] = field(default_factory=list)  #: the shuffled rows of epoch `_order_epoch`
+    _order_epoch: int = -1
 
     def next(self, count: int) -> list[dict]:
-        rows = getattr(self.env, "rows", None)
-        out = []
-        for _ in range(count):
-            if rows is not None:
-                epoch, i = divmod(self.position, len(rows))
-                if i == 0 or not self._order:
-                    self._order = list(np.random.default_rng([self.seed, epoch]).permutation(len(rows)))
-                out.append(rows[self._order[i]])
-            else:
-                out.append(self.env.sample_task(np.random.default_rng([self.seed, self.position])))
-            self.position += 1
+        """The next `count` tasks; the position moves past them."""
+        out = self.peek(count)
+        self.position += count
         return out
+
+    def peek(self, count: int) -> list[dict]:
+        """The next `count` tasks, without moving (the one-step off-policy trainer asks for the next step's tasks
+        before it trains on this step's: its checkpoints count only trained steps)."""
+        return [self._task(self.position + k) for k in range(count)]
+
+    def _task(self, position: int) -> dict:
+        rows = getattr(self.env, "rows", None)
+        if rows is None:
+            return self.env.sample_task(np.random.default_rng([self.seed, position]))
+        epoch, i = divmod(position, len(rows))
+        if self._order_epoch != epoch:
+            self._order = list(np.random.default_rng([self.seed, epoch]).permutation(len(rows)))
+            self._order_epoch = epoch
+        return rows[self._order[i]]
 
     def state_dict(self) -> dict:
         return {"position": self.position}
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
-        self._order = []
 
 
 def eval_tasks(cfg: Config, env: ToolEnv) -> list[dict]:
@@ -154,9 +170,10 @@ def eval_tasks(cfg: Config, env: ToolEnv) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- models
-def make_models(cfg: Config, tokenizer, device: torch.device):
-    """(policy LM, critic or None). Random init is seeded by `cfg.seed`, so runs repeat. A random-init model gets
-    exactly the tokenizer's vocabulary (padding rows could be sampled and are not tokens)."""
+def make_models(cfg: Config, tokenizer, device: torch.device, critic: bool = True):
+    """(policy LM, critic or None: PPO's, unless `critic` is false). Random init is seeded by `cfg.seed`, so runs
+    repeat. A random-init model gets exactly the tokenizer's vocabulary (padding rows could be sampled and are not
+    tokens)."""
     from .modeling import CriticModel
 
     dtype = DTYPES[cfg.model.dtype]
@@ -169,15 +186,14 @@ def make_models(cfg: Config, tokenizer, device: torch.device):
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lm.config.pad_token_id = tokenizer.pad_token_id
     lm.to(device)
-    critic = None
-    if cfg.algorithm.name == "ppo":
-        if cfg.model.critic_path:
-            backbone = build_causal_lm(path=cfg.model.critic_path, dtype=dtype)
-            critic = CriticModel(getattr(backbone, backbone.base_model_prefix), backbone.config.hidden_size)
-        else:
-            critic = CriticModel.from_policy(lm)
-        critic.to(device)
-    return lm, critic
+    if cfg.algorithm.name != "ppo" or not critic:
+        return lm, None
+    if cfg.model.critic_path:
+        backbone = build_causal_lm(path=cfg.model.critic_path, dtype=dtype)
+        value_model = CriticModel(getattr(backbone, backbone.base_model_prefix), backbone.config.hidden_size)
+    else:
+        value_model = CriticModel.from_policy(lm)
+    return lm, value_model.to(device)
 
 
 def frozen_copy(lm: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,134 @@
+"""What the trainer needs from torch.distributed beyond accelerate's defaults: DDP settings, and FSDP2 with the
+embedded generation engine.
+
+**DDP** (`ddp_kwargs`): buffers are not broadcast before every forward pass (a causal LM's buffers — rotary
+frequencies — never change, and a broadcast in a no-grad forward would need every process to run as many forward
+passes), and gradients live in DDP's communication buckets (one copy less per step).
+
+**FSDP2** (``accelerate launch --config_file trainers/configs/accelerate_fsdp2.yaml``) shards the policy, its
+gradients and its optimizer state over the processes, so a model whose policy + reference + optimizer state does
+not fit one GPU still trains. The embedded engine generates on the trainer's own module, and each process plays
+different episodes — different numbers of forward passes — so generation cannot run through FSDP's per-layer
+all-gathers. `gathered_for_generation` gathers every FSDP unit's parameters once (all processes together), keeps
+them gathered through any number of forward passes (no collective runs: each unit's parameters are plain tensors
+then, the engine's own layer loop runs on them), and frees them afterwards. Outside generation every process runs
+the same number of forward passes (`forward_passes_everywhere`, and `trainers.ppo.minibatches` for the update).
+The KL reference is sharded like the policy (`frozen_reference`) and checkpointed as a full state dict
+(`FullStateDict`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def ddp_kwargs():
+    """accelerate's handler for the DDP wrapper's settings (see the module docstring)."""
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    return DistributedDataParallelKwargs(broadcast_buffers=False, gradient_as_bucket_view=True)
+
+
+# --------------------------------------------------------------------------------------------- FSDP2
+def fsdp_units(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units inside `module` (each wrapped layer is its own unit, and so is the root): empty without FSDP."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def gathered_for_generation(module: nn.Module, reshard_after_forward: bool = True) -> Iterator[None]:
+    """Inside, every FSDP unit of `module` holds its full parameters and keeps them through forward passes, so a
+    process may run any number of them without collectives; on exit they are sharded again (the full copies
+    freed) and each unit reshards after forward as configured (`reshard_after_forward`: the FSDP plugin's
+    setting). Every process must enter and leave together (the gathering is collective). A no-op without FSDP."""
+    units = fsdp_units(module)
+    for unit in units:
+        unit.unshard()
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward, recurse=False)
+
+
+def initialize_root(policy: nn.Module, device: torch.device) -> None:
+    """FSDP2 takes the first unit to run forward as its root. Generation calls the LM inside the prepared policy,
+    not the policy itself, so the policy runs one (empty-loss) forward pass first — on every process, together."""
+    if not fsdp_units(policy):
+        return
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    with torch.no_grad():
+        policy(ids, torch.zeros_like(ids))
+
+
+def forward_passes_everywhere(count: int, module: nn.Module) -> int:
+    """The number of forward passes each process must run for `count` of its own: under FSDP, where every forward
+    pass all-gathers, the largest count over the processes; otherwise `count`."""
+    if not fsdp_units(module):
+        return count
+    device = next(module.parameters()).device
+    total = torch.tensor([count], device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return int(total)
+
+
+def fsdp_sharding(accelerator):
+    """How accelerate shards a model under FSDP2 (its wrap policy, mesh and settings), as a function of the model;
+    None without FSDP2."""
+    if not accelerator.is_fsdp2:
+        return None
+    from accelerate.utils import fsdp2_prepare_model
+
+    return functools.partial(fsdp2_prepare_model, accelerator)
+
+
+def frozen_reference(copy: nn.Module, policy: nn.Module, shard=None) -> nn.Module:
+    """The KL reference: `copy` — an unsharded frozen copy of the policy made before accelerate prepared it (FSDP
+    modules cannot be deep-copied) — sharded as the policy was (`shard`, from `fsdp_sharding`), with the weights of
+    `policy` (the unwrapped policy, after the SFT warm start)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    if shard is not None:
+        copy = shard(copy)
+    set_model_state_dict(copy, get_model_state_dict(policy))
+    return copy
+
+
+class FullStateDict:
+    """A frozen module as accelerate checkpoints a registered object (the main process saves `state_dict()`, every
+    process loads it): the full state dict, gathered from the shards under FSDP (every process takes part; the
+    main process keeps it, on the CPU), loaded into each process's shard."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def state_dict(self) -> dict:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_state_dict(self, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.module, state, options=StateDictOptions(full_state_dict=True))
+
+
+# --------------------------------------------------------------------------------------------- memory
+def peak_memory(device: torch.device) -> dict[str, float]:
+    """This process's peak GPU memory since it started, in GiB: allocated by tensors, and reserved by the caching
+    allocator (what nvidia-smi shows, minus the CUDA context). Empty off GPU."""
+    if device.type != "cuda":
+        return {}
+    return {"perf/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+            "perf/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
