@@ -409,7 +409,7 @@ class _SlotState:
     top_k: torch.Tensor
     top_p: torch.Tensor
     uniform: torch.Tensor  #: this step's uniform number per slot
-    out: torch.Tensor  #: float64 [2, slots]: sampled token, its logprob
+    out: torch.Tensor  #: float64 [slots, 2]: sampled token, its logprob (a slot's pair contiguous: see `_HostSide`)
     host: tuple[_HostSide, _HostSide]  #: host buffers of the two steps that may be in flight (even, odd launches)
     launches: int = 0
     per_slot: tuple[torch.Tensor, ...] = field(init=False)
@@ -424,7 +424,8 @@ class _HostSide:
     CUDA, so that both copies are asynchronous), and the event that marks its outputs ready."""
 
     uniform: torch.Tensor  #: [slots + 1], `cdf_dtype`
-    out: torch.Tensor  #: float64 [2, slots + 1]
+    out: torch.Tensor  #: float64 [slots + 1, 2]; the first `rows` of both are contiguous: an asynchronous copy
+    #: between host and device needs both sides contiguous (else it goes through a pageable temporary, and waits)
     event: Any  #: torch.cuda.Event on CUDA, else None (a step on the CPU is done when `launch` returns)
     step: LaunchedStep | None = None  #: the step using these buffers, until it is collected
 
@@ -432,7 +433,7 @@ class _HostSide:
     def create(cls, slots: int, device: torch.device) -> _HostSide:
         pinned = device.type == "cuda"
         return cls(torch.zeros(slots, dtype=cdf_dtype(device), pin_memory=pinned),
-                   torch.zeros(2, slots, dtype=torch.float64, pin_memory=pinned),
+                   torch.zeros(slots, 2, dtype=torch.float64, pin_memory=pinned),
                    torch.cuda.Event() if pinned else None)
 
 
@@ -514,7 +515,7 @@ class SlotEngine:
             top_k=torch.full((n,), self.vocab_size, dtype=torch.long, device=device),
             top_p=torch.full((n,), float("inf"), dtype=torch.float32, device=device),
             uniform=torch.zeros(n, dtype=cdf_dtype(device), device=device),
-            out=torch.zeros(2, n, dtype=torch.float64, device=device),
+            out=torch.zeros(n, 2, dtype=torch.float64, device=device),
             host=(_HostSide.create(n, device), _HostSide.create(n, device)))
 
     def release(self) -> None:
@@ -656,7 +657,7 @@ class SlotEngine:
                 self._replay((rows, length, mode))
             else:
                 self._run_decode(rows, length, mode)
-            host.out[:, :rows].copy_(s.out[:, :rows], non_blocking=True)
+            host.out[:rows].copy_(s.out[:rows], non_blocking=True)
             if host.event is not None:
                 host.event.record()
         s.launches += 1
@@ -669,8 +670,8 @@ class SlotEngine:
         which waits while another thread runs Python (HFPolicy's caller): a step's host work makes few of them."""
         if step.host.event is not None:
             step.host.event.synchronize()
-        out = step.host.out.numpy()[:, :step.rows]
-        tokens, logprobs = out[0].astype(np.int64).tolist(), out[1].tolist()
+        out = step.host.out.numpy()[:step.rows]
+        tokens, logprobs = out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist()
         step.collected = True
         return tokens, logprobs
 
@@ -698,8 +699,8 @@ class SlotEngine:
         logits = head(lay.norm, lay.lm_head, x, self.vocab_size)
         token, logprob = sample_tokens(logits, s.temperature[:rows], s.uniform[:rows], s.top_k[:rows], s.top_p[:rows],
                                        mode)
-        s.out[0, :rows] = token
-        s.out[1, :rows] = logprob
+        s.out[:rows, 0] = token
+        s.out[:rows, 1] = logprob
         tokens.copy_(torch.where(live, token, tokens))
         lengths.add_(live)
 
