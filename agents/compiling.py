@@ -15,7 +15,9 @@ RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a
   architecture and dtype) reuses it. `COMPILE_COUNTS` counts compilations and their seconds; engines report the
   difference over their own calls.
 * **Eager fallback**: a function whose compilation fails (no C++ compiler for Inductor on CPU, no Triton, an
-  unsupported op) runs eagerly from then on; `Compiled.failure` says why.
+  unsupported op) runs eagerly from then on; `Compiled.failure` says why. Inductor's own log records are dropped
+  on the thread while it compiles for us (`_QUIET`): a failure would otherwise dump its IR, hundreds of lines at
+  CRITICAL, for an outcome the failure reason already reports. Other threads' compilations log as usual.
 * Inductor's ``emulate_precision_casts``: bf16 intermediates are rounded where eager rounds them, so compiled steps
   stay as close as possible to the module's own forward.
 """
@@ -23,6 +25,8 @@ RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +54,34 @@ def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
     return compiled
 
 
+class _QuietThread(logging.Filter):
+    """Drops the records of ``torch._inductor`` loggers made on a thread inside `quiet` (a filter on the handlers
+    they reach: a filter on a logger would only see the records made by that very logger)."""
+
+    def __init__(self):
+        super().__init__()
+        self._local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (getattr(self._local, "active", False) and record.name.startswith("torch._inductor"))
+
+    @contextlib.contextmanager
+    def quiet(self):
+        logger = logging.getLogger("torch._inductor")
+        while logger is not None:  # the handlers a torch._inductor record reaches (torch sets them up lazily)
+            for handler in logger.handlers:
+                handler.addFilter(self)  # once per handler
+            logger = logger.parent if logger.propagate else None
+        self._local.active = True
+        try:
+            yield
+        finally:
+            self._local.active = False
+
+
+_QUIET = _QuietThread()
+
+
 class Compiled:
     """`fn` compiled with Inductor (dynamic shapes), or `fn` itself once its compilation failed."""
 
@@ -61,7 +93,7 @@ class Compiled:
     def __call__(self, *args: Any) -> Any:
         if self.failure is None:
             try:
-                with _recompile_room():
+                with _recompile_room(), _QUIET.quiet():
                     return self._compiled(*args)
             except torch._dynamo.exc.TorchDynamoException as e:  # compilation failed: the call did not run
                 self.failure = f"{self.eager.__name__}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
@@ -79,8 +111,16 @@ def compiled(fn: Callable) -> Compiled:
 
 
 def _recompile_room():
+    """Dynamo's recompile limit raised to `RECOMPILE_LIMIT` for one call (unless it is that high already). The
+    patch object is made once: making one costs ~2 ms, which every eager step of every layer would pay."""
+    global _ROOM
     limits = torch._dynamo.config
     name = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
     if getattr(limits, name) >= RECOMPILE_LIMIT:
         return contextlib.nullcontext()
-    return limits.patch(**{name: RECOMPILE_LIMIT})
+    if _ROOM is None:
+        _ROOM = limits.patch(**{name: RECOMPILE_LIMIT})
+    return _ROOM
+
+
+_ROOM: Any = None

@@ -23,14 +23,15 @@ optimizer step the next token sees the new weights) through its own layer loop:
 * **Prefill** is eager: prompts right-padded into one tensor, causal attention (right padding keeps real tokens
   from seeing padding; the padding's own K/V land beyond each row's length, where they are masked and later
   overwritten), K/V written straight into the rows' slots, the LM head only at each row's last real position.
-* **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_and_sample`; run eagerly
-  or captured): the new token's K/V are written in place at each row's own position; attention without expanding
-  K/V — the query heads of one KV head are laid out as that head's query positions ([B, kv_heads, group,
-  head_dim]) and one SDPA call with a [B, 1, 1, L] additive length mask (built once per step) serves them all; then
-  sampling (below); then each live slot's next input token and length advance on the device. On CUDA the three
-  functions are compiled by Inductor (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one
-  compilation for all layers and buckets; eager where compilation fails) and the step is captured per (batch
-  bucket, length bucket, sampling mode) into a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, where
+* **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_logits`, then
+  `sample_tokens`; run eagerly or captured): the new token's K/V are written in place at each row's own position;
+  attention without expanding K/V — the query heads of one KV head are laid out as that head's query positions
+  ([B, kv_heads, group, head_dim]) and one SDPA call with a [B, 1, 1, L] additive length mask (built once per step)
+  serves them all; then sampling (below); then each live slot's next input token and length advance on the
+  device. On CUDA the three step functions (not the sampler: see `head_logits`) are compiled by Inductor
+  (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one compilation for all layers and
+  buckets; eager where compilation fails) and the step is captured per (batch bucket, length bucket, sampling
+  mode) into a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, where
   compilation happens; all graphs sharing one memory pool) whose inputs and outputs are the engine's persistent
   per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a module
   whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
@@ -45,9 +46,15 @@ optimizer step the next token sees the new weights) through its own layer loop:
 
 Per step the host only sends the sampled rows' uniform numbers (one small copy; none for an all-greedy step) and
 reads back each slot's token and logprob (one copy); tokens, lengths and sampling parameters stay on the device,
-set when a row is prefilled or moved. No pinned host memory: freeing it records CUDA events, which must not
-happen during a capture or after the CUDA runtime is gone at exit. A pass that fails (an exception, NaN logits) frees its rows' slots and zeroes their KV, so
-that no non-finite value is left where a later row's mask hides it.
+set when a row is prefilled or moved. A step is **launched** (`SlotEngine.launch`: both copies asynchronous,
+through pinned host buffers, and an event marking the outputs ready) and **collected** later
+(`SlotEngine.collect`): its successor needs nothing from the host but uniform numbers, so HFPolicy launches step
+t+1 before it reads step t's tokens, and its per-step work (stop checks, settling requests, drawing the next
+uniforms) runs while the device computes. The pinned buffers live as long as the cache (two sets: two steps may
+be in flight); no pinned memory is freed during a capture (freeing it records CUDA events), and the small index
+tensors of `free` and `move` go through pinned memory too (a copy from pageable memory would wait for the step in
+flight). A pass that fails (an exception, NaN logits) frees its rows' slots and zeroes their KV, so that no
+non-finite value is left where a later row's mask hides it.
 
 Choices worth knowing: not transformers' ``StaticCache`` (one length for the whole batch, no slot to join or
 leave by); the module is checked for reallocated parameters before each prefill rather than before each replay
@@ -66,6 +73,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -278,15 +286,17 @@ def decode_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def head_and_sample(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, vocab: int, temperature: torch.Tensor,
-                    uniform: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                    mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The final norm, the LM head over the first `vocab` ids (float32) and `sample_tokens`."""
-    logits = lm_head(norm(x))[:, 0, :vocab].float()
-    return sample_tokens(logits, temperature, uniform, top_k, top_p, mode)
+def head_logits(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The final norm and the LM head over the first `vocab` ids: float32 logits [rows, vocab].
+
+    Sampling (`sample_tokens`) stays out of the compiled functions: its reductions over the whole vocabulary
+    (argmax, cumsum) with a symbolic row count are split reductions Inductor does not generate ("NYI
+    TritonSplitDimKernel reductions" for the argmax over 151,936 ids), and they are a few large kernels, not
+    launch-bound, so compiling them would gain nothing."""
+    return lm_head(norm(x))[:, 0, :vocab].float()
 
 
-STEP_FUNCTIONS = (step_inputs, decode_layer, head_and_sample)
+STEP_FUNCTIONS = (step_inputs, decode_layer, head_logits)
 
 
 # --------------------------------------------------------------------------------------------- slot bookkeeping
@@ -399,11 +409,41 @@ class _SlotState:
     top_k: torch.Tensor
     top_p: torch.Tensor
     uniform: torch.Tensor  #: this step's uniform number per slot
-    out: torch.Tensor  #: float64 [2, slots]: sampled token, its logprob
+    out: torch.Tensor  #: float64 [slots, 2]: sampled token, its logprob (a slot's pair contiguous: see `_HostSide`)
+    host: tuple[_HostSide, _HostSide]  #: host buffers of the two steps that may be in flight (even, odd launches)
+    launches: int = 0
     per_slot: tuple[torch.Tensor, ...] = field(init=False)
 
     def __post_init__(self):
         self.per_slot = (self.tokens, self.lengths, self.live, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(eq=False)
+class _HostSide:
+    """Host memory of one launched step: the uniform numbers it uploads and the outputs it copies back (pinned on
+    CUDA, so that both copies are asynchronous), and the event that marks its outputs ready."""
+
+    uniform: torch.Tensor  #: [slots + 1], `cdf_dtype`
+    out: torch.Tensor  #: float64 [slots + 1, 2]; the first `rows` of both are contiguous: an asynchronous copy
+    #: between host and device needs both sides contiguous (else it goes through a pageable temporary, and waits)
+    event: Any  #: torch.cuda.Event on CUDA, else None (a step on the CPU is done when `launch` returns)
+    step: LaunchedStep | None = None  #: the step using these buffers, until it is collected
+
+    @classmethod
+    def create(cls, slots: int, device: torch.device) -> _HostSide:
+        pinned = device.type == "cuda"
+        return cls(torch.zeros(slots, dtype=cdf_dtype(device), pin_memory=pinned),
+                   torch.zeros(slots, 2, dtype=torch.float64, pin_memory=pinned),
+                   torch.cuda.Event() if pinned else None)
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A decode step enqueued on the device by `SlotEngine.launch`; `SlotEngine.collect` reads its outputs."""
+
+    rows: int
+    host: _HostSide
+    collected: bool = False
 
 
 class SlotEngine:
@@ -475,7 +515,8 @@ class SlotEngine:
             top_k=torch.full((n,), self.vocab_size, dtype=torch.long, device=device),
             top_p=torch.full((n,), float("inf"), dtype=torch.float32, device=device),
             uniform=torch.zeros(n, dtype=cdf_dtype(device), device=device),
-            out=torch.zeros(2, n, dtype=torch.float64, device=device))
+            out=torch.zeros(n, 2, dtype=torch.float64, device=device),
+            host=(_HostSide.create(n, device), _HostSide.create(n, device)))
 
     def release(self) -> None:
         """Drop the KV cache, buffers and graphs (they come back on the next prefill, or `allocate`)."""
@@ -510,7 +551,7 @@ class SlotEngine:
         if self._state is None or not slots:
             return
         s = self._state
-        index = torch.tensor(list(slots), dtype=torch.long, device=s.live.device)
+        index = _to_device(list(slots), torch.long, s.live.device)
         s.live.index_fill_(0, index, False)
         s.lengths.index_fill_(0, index, 0)
         if clear:
@@ -522,8 +563,8 @@ class SlotEngine:
         if not moves:
             return
         s = self._state
-        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=s.live.device)
-        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=s.live.device)
+        src = _to_device([a for a, _ in moves], torch.long, s.live.device)
+        dst = _to_device([b for _, b in moves], torch.long, s.live.device)
         for cache in (*s.keys, *s.values):
             part = cache[:, :, :filled]
             part.index_copy_(0, dst, part.index_select(0, src))
@@ -590,24 +631,53 @@ class SlotEngine:
             return "on: decode step compiled by Inductor"
         return f"{'off' if len(failures) == len(STEP_FUNCTIONS) else 'partly off'}: {'; '.join(failures)}"
 
-    def step(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> tuple[list, list]:
-        """One decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding): each
-        live slot feeds its next token and samples one. `need`: the most cache positions a live row attends to
-        (its filled length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn). Returns the
-        token and logprob of every slot."""
+    def launch(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> LaunchedStep:
+        """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding),
+        and the copy of its outputs to host memory; on CUDA, return without waiting for the device. Each live slot
+        feeds its next token and samples one. `need`: the most cache positions a live row attends to (its filled
+        length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn).
+
+        A step's inputs (tokens, lengths) are the previous step's outputs, already on the device: the next step can
+        be launched before this one is collected, so that the host reads one step's tokens while the device
+        computes the next. Steps run in launch order, and so do `prefill`, `free` and `move` between them. At most
+        two launched steps may be uncollected (they use alternate host buffers)."""
         s = self._state
         length = self.length_bucket(need)
         if uniforms is None and mode != "greedy":
             raise ValueError(f"a {mode!r} step needs one uniform number per slot")
-        with _on_device(s.live.device):
-            if uniforms is not None:  # a plain (synchronous) copy: the device is idle between steps anyway
-                s.uniform[:rows].copy_(torch.tensor(uniforms, dtype=s.uniform.dtype))
-            if self.cuda_graphs and s.live.device.type == "cuda" and self.capture_failure is None:
+        host = s.host[s.launches % 2]
+        if host.step is not None and not host.step.collected:
+            raise RuntimeError("two launched decode steps are not collected yet: collect the older one first")
+        device = s.live.device
+        with _on_device(device):
+            if uniforms is not None:  # into host memory no copy still reads (its step was collected)
+                host.uniform.numpy()[:rows] = uniforms  # numpy: the GIL stays held (see `collect`)
+                s.uniform[:rows].copy_(host.uniform[:rows], non_blocking=True)
+            if self.cuda_graphs and device.type == "cuda" and self.capture_failure is None:
                 self._replay((rows, length, mode))
             else:
                 self._run_decode(rows, length, mode)
-            out = s.out[:, :rows].cpu()
-        return out[0].long().tolist(), out[1].tolist()
+            host.out[:rows].copy_(s.out[:rows], non_blocking=True)
+            if host.event is not None:
+                host.event.record()
+        s.launches += 1
+        host.step = LaunchedStep(rows, host)
+        return host.step
+
+    def collect(self, step: LaunchedStep) -> tuple[list[int], list[float]]:
+        """Wait for a launched step's outputs (without holding the GIL) and return every slot's token and
+        logprob. The host buffers are read through numpy: a torch call releases the GIL and must take it back,
+        which waits while another thread runs Python (HFPolicy's caller): a step's host work makes few of them."""
+        if step.host.event is not None:
+            step.host.event.synchronize()
+        out = step.host.out.numpy()[:step.rows]
+        tokens, logprobs = out[:, 0].astype(np.int64).tolist(), out[:, 1].tolist()
+        step.collected = True
+        return tokens, logprobs
+
+    def step(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> tuple[list, list]:
+        """`launch` and `collect` one step: every slot's token and logprob."""
+        return self.collect(self.launch(rows, need, uniforms, mode))
 
     def _run_decode(self, rows: int, length: int, mode: str) -> None:
         """`_decode` outside a capture, adding the compilations it triggers to `stats`."""
@@ -626,10 +696,11 @@ class SlotEngine:
         x, cos, sin, at, mask = inputs(lay.embed, lay.rotary, tokens, lengths, length)
         for layer, keys, values in zip(lay.layers, s.keys, s.values):
             x = layer_step(layer, x, cos, sin, at, mask, keys, values, lay.apply_rope, lay.qk_norm)
-        token, logprob = head(lay.norm, lay.lm_head, x, self.vocab_size, s.temperature[:rows], s.uniform[:rows],
-                              s.top_k[:rows], s.top_p[:rows], mode)
-        s.out[0, :rows] = token
-        s.out[1, :rows] = logprob
+        logits = head(lay.norm, lay.lm_head, x, self.vocab_size)
+        token, logprob = sample_tokens(logits, s.temperature[:rows], s.uniform[:rows], s.top_k[:rows], s.top_p[:rows],
+                                       mode)
+        s.out[:rows, 0] = token
+        s.out[:rows, 1] = logprob
         tokens.copy_(torch.where(live, token, tokens))
         lengths.add_(live)
 
@@ -637,6 +708,7 @@ class SlotEngine:
     def _replay(self, key: tuple[int, int, str]) -> None:
         graph = self._graphs.get(key)
         if graph is None:
+            torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
             self._warm_up(key)  # an error here is the step's own: it propagates
             try:
                 graph = self._capture(key)
@@ -706,6 +778,15 @@ def _gc_paused():
     finally:
         if enabled:
             gc.enable()
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device` without waiting for the device (a plain copy from pageable
+    memory would wait for the step in flight: through pinned memory, asynchronously)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def _on_device(device: torch.device):

@@ -28,6 +28,17 @@ Two paths do the passes:
   length-dependent RoPE, quantization, offloading) falls back to the transformers path, with the reason in
   `fast_path_reason`; a step that cannot be compiled or captured runs eagerly, with the reason in
   `compile_reason`.
+* **Overlapped steps** (fast path, `overlap_steps`): each decode step is launched before the previous one's tokens
+  are read, so the host's work between steps (reading tokens, stop checks, settling requests, compaction, drawing
+  the next uniform numbers) runs while the device computes. A row that ends at step t (a stop token, a
+  cancellation) was launched into step t+1 already: that row-step is computed and discarded
+  (``stats["wasted_rows"]``) and its slot freed after. A row whose last allowed token is in flight asks for nothing
+  more, and a step is launched only when some row asks (rows that all end by length waste nothing). The tokens,
+  logprobs and finish reasons are those of one step at a time (a row draws its uniform numbers from its own
+  generator, in the same order); requests that arrive meanwhile join one step later. Queued calls
+  (`release_memory`, ...) run with no step in flight. While serving, the worker lowers the interpreter's switch
+  interval (`_SwitchInterval`) and waits for the device without holding the GIL. On CPU the same code runs (a
+  step is computed when it is launched: nothing overlaps).
 * **The transformers path** (everywhere else, e.g. on CPU): the module's own forward over a ``DynamicCache``. The
   prompts are left-padded into one tensor with an attention mask and per-row position ids. Rows that join are
   prefilled together, then merged into the running batch by left-padding the shorter KV cache (padding is masked
@@ -59,6 +70,7 @@ import inspect
 import math
 import queue
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -71,13 +83,48 @@ from torch import nn
 
 from mt_env.turn import ModelTurn
 
-from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, RowSampling, SlotEngine, SlotTable,
-                          UnsupportedModel, decoder_layout, prefill_groups, sample_tokens, sampling_mode)
+from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep, RowSampling, SlotEngine,
+                          SlotTable, UnsupportedModel, decoder_layout, prefill_groups, sample_tokens, sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
 #: longest gathering of requests that keep arriving (each within `gather_window_s` of the last), in windows
 GATHER_CAP_WINDOWS = 25
+#: the interpreter's thread switch interval while a worker serves (see `_SwitchInterval`)
+SERVING_SWITCH_INTERVAL_S = 0.0005
+
+
+class _SwitchInterval:
+    """Lowers the interpreter's thread switch interval (`sys.setswitchinterval`) while any HFPolicy worker serves.
+
+    Why: between two device waits the worker runs a little Python (read a step's tokens, stop checks, launch the
+    next step), and every torch call it makes releases the GIL and takes it back. While the caller's event-loop
+    thread is busy (env steps for many episodes at a turn boundary), each take-back waits until that thread is
+    asked to let go: after the switch interval, 5 ms by default — a 2.5 ms decode step stretched to several times
+    its length. At 0.5 ms the worker waits at most that long; the event loop loses only the switches the worker
+    asks for. Process-wide, counted: the previous value comes back when the last serving worker goes idle or
+    closes (a value set by someone else meanwhile is overwritten then)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._holders = 0
+        self._saved = 0.0
+
+    def hold(self) -> None:
+        with self._lock:
+            if self._holders == 0:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, SERVING_SWITCH_INTERVAL_S))
+            self._holders += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                sys.setswitchinterval(self._saved)
+
+
+_SWITCH_INTERVAL = _SwitchInterval()
 
 
 def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any, error: BaseException | None):
@@ -110,6 +157,7 @@ class _Request:
     generator: random.Random | None = None  #: the row's own uniform draws (seeded: reproducible samples)
     started: float | None = None
     cancelled: bool = False  #: set by the caller's task when it is cancelled; the worker then drops the row
+    finished: bool = False  #: its outcome is decided (it settles with the next `_settle_done`)
     mode: int = field(init=False)  #: index in SAMPLING_MODES of the `sample_tokens` mode the row needs (0: greedy)
 
     def __post_init__(self):
@@ -141,6 +189,15 @@ class _Call:
         except Exception as e:
             result, error = None, e
         _resolve(self.loop, self.future, result, error)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A fast-path decode step launched and not yet collected: the (slot, request) of every row it decodes, by the
+    slots they held at launch (a compaction may move them before the step is collected)."""
+
+    step: LaunchedStep
+    rows: list[tuple[int, _Request]]
 
 
 @dataclass(eq=False)
@@ -181,6 +238,9 @@ class HFPolicy(Policy):
         max_cache_len: fast path only: tokens (prompt + generation) each of the `max_batch_size` KV slots holds;
             default `max_context_len` when given, else ``min(config.max_position_embeddings, 4096)``. The cache
             takes ``2 x layers x max_batch_size x kv_heads x max_cache_len x head_dim`` elements.
+        overlap_steps: fast path only: launch each decode step before reading the previous step's tokens (see
+            "Overlapped steps" above); False: one step at a time (no wasted row-steps, the host's work between
+            steps on the device's critical path). The tokens are the same either way.
     """
 
     def __init__(
@@ -197,6 +257,7 @@ class HFPolicy(Policy):
         cuda_graphs: bool = True,
         compile: bool | str = "auto",
         max_cache_len: int | None = None,
+        overlap_steps: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
@@ -222,16 +283,24 @@ class HFPolicy(Policy):
 
         #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges, graph replays, ...
         #: merges and separate_batches are the transformers path's; the fast path pads decode batches to a bucket
-        #: (padded_rows), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays).
+        #: (padded_rows), computes a row-step for rows that ended at the step before (wasted_rows: overlapped
+        #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays). Seconds:
+        #: busy_s (the worker serving: from taking work while idle until idle again), gather_s (gathering requests
+        #: that trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on
+        #: CUDA enqueueing them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched
+        #: steps' outputs); the rest of busy_s is the worker's bookkeeping, with its waits to take the GIL back.
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
-                                      "separate_batches": 0, "padded_rows": 0, "compaction_moves": 0,
-                                      "graph_captures": 0, "graph_replays": 0, "module_reallocations": 0,
-                                      "compilations": 0, "compile_s": 0.0, "capture_failures": 0}
+                                      "separate_batches": 0, "padded_rows": 0, "wasted_rows": 0,
+                                      "compaction_moves": 0, "graph_captures": 0, "graph_replays": 0,
+                                      "module_reallocations": 0, "compilations": 0, "compile_s": 0.0,
+                                      "capture_failures": 0, "busy_s": 0.0, "gather_s": 0.0, "prefill_s": 0.0,
+                                      "launch_s": 0.0, "step_wait_s": 0.0}
         cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
         self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)
         self.fast_path = self._engine is not None
         if self._engine is not None:
             self.max_context_len = min(self.max_context_len, self._engine.max_cache_len)
+        self.overlap_steps = bool(overlap_steps)
 
         self._rng = random.Random(seed)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -243,6 +312,8 @@ class HFPolicy(Policy):
         self._waiting: list[_Request] = []
         self._batches: list[_Batch] = []  # the transformers path's batches
         self._slots = SlotTable(max_batch_size) if self.fast_path else None  # the fast path's rows, by KV slot
+        self._in_flight: _InFlight | None = None  # the fast path's launched, uncollected decode step
+        self._serving_since: float | None = None  # busy_s counted up to here while serving (None: idle)
         self._done: list[tuple[_Request, str | BaseException]] = []
         self._restore_training = False
         self._thread = threading.Thread(target=self._work, name="HFPolicy-worker", daemon=True)
@@ -389,15 +460,19 @@ class HFPolicy(Policy):
             error = PolicyError(f"HFPolicy's worker thread died: {type(e).__name__}: {e}")
             error.__cause__ = e
             for request in self._everyone():
-                self._done.append((request, error))
+                self._finish(request, error)
         finally:
+            self._serving(False)
             self._settle_done()
+            if self._engine is not None:  # the KV cache and the pinned host buffers go with the worker
+                self._engine.release()
 
     def _serve_once(self) -> bool:
         """One scheduling step: take requests, admit them, decode one token for every row. False = stop."""
         if self._take_requests():
+            self._collect_in_flight()  # the rows keep the tokens of the step the device has computed
             for request in self._everyone():
-                self._done.append((request, "abort"))
+                self._finish(request, "abort")
             return False
         self._drop_cancelled()
         if self._engine is not None:
@@ -407,6 +482,7 @@ class HFPolicy(Policy):
             self._admit()
             for batch in list(self._batches):
                 self._decode(batch)
+        self._serving(True)  # busy_s up to date before the callers see their results
         self._settle_done()
         return True
 
@@ -414,9 +490,26 @@ class HFPolicy(Policy):
         """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do. True
         when close() asks to stop."""
         if not self._busy():
-            if self._accept(self._queue.get()) or (self._waiting and self._gather()):
-                return True
+            self._serving(False)
+            item = self._queue.get()
+            self._serving(True)
+            start = time.perf_counter()
+            try:
+                if self._accept(item) or (self._waiting and self._gather()):
+                    return True
+            finally:
+                self.stats["gather_s"] += time.perf_counter() - start
         return self._drain()
+
+    def _serving(self, on: bool) -> None:
+        """The worker serves (it took work while idle; called again after each scheduling step to bring busy_s up
+        to date) or goes idle: the switch interval is held while it serves."""
+        now = time.perf_counter()
+        if self._serving_since is not None:
+            self.stats["busy_s"] += now - self._serving_since
+        if on != (self._serving_since is not None):
+            (_SWITCH_INTERVAL.hold if on else _SWITCH_INTERVAL.release)()
+        self._serving_since = now if on else None
 
     def _gather(self) -> bool:
         """With the worker idle and a first request waiting: take more until none arrived for `gather_window_s`,
@@ -453,6 +546,7 @@ class HFPolicy(Policy):
         if item is _STOP:
             return True
         if isinstance(item, _Call):
+            self._collect_in_flight()  # calls run between two passes: no step in flight
             item.run()
         else:
             self._waiting.append(item)
@@ -464,13 +558,14 @@ class HFPolicy(Policy):
         return held + ([r for _, r in self._slots.occupied()] if self._slots is not None else [])
 
     def _busy(self) -> bool:
-        return bool(self._batches or self._waiting or (self._slots is not None and self._slots.held_count()))
+        return bool(self._batches or self._waiting or self._in_flight is not None
+                    or (self._slots is not None and self._slots.held_count()))
 
     def _everyone(self) -> list[_Request]:
         """All requests the worker holds or that are still queued; clears them from the worker's state (queued
         calls fail: the worker is going away)."""
         requests = self._held()
-        self._batches, self._waiting = [], []
+        self._batches, self._waiting, self._in_flight = [], [], None
         if self._slots is not None:
             self._slots = SlotTable(self._slots.size)
         while True:
@@ -518,9 +613,9 @@ class HFPolicy(Policy):
             request.ids.append(token)
             request.logprobs.append(logprob)
             if token in request.params.stop_token_ids:
-                self._done.append((request, "stop"))
+                self._finish(request, "stop")
             elif len(request.ids) >= request.max_new_tokens:
-                self._done.append((request, "length"))
+                self._finish(request, "length")
             elif not request.cancelled:
                 keep.append(i)
         return keep
@@ -544,6 +639,7 @@ class HFPolicy(Policy):
     def _prefill_slots(self, requests: list[_Request]) -> None:
         slots = self._slots.acquire(requests)
         sampling = RowSampling.draw([r.params for r in requests], [r.generator for r in requests], self.vocab_size)
+        start = time.perf_counter()
         try:
             with self._pass():
                 tokens, logprobs = self._engine.prefill(slots, [r.prompt for r in requests], sampling)
@@ -553,43 +649,94 @@ class HFPolicy(Policy):
             self._free_slots(slots, clear=True)
             self._fail(requests, "prefill", e)
             return
+        finally:
+            self.stats["prefill_s"] += time.perf_counter() - start
         self._free_slots([slot for i, slot in enumerate(slots) if i not in keep])
 
     def _step_slots(self) -> None:
-        """One decode step over the batch bucket covering every held slot (after compaction)."""
+        """Launch the next decode step, then collect the one launched before it: the host reads a step's tokens
+        while the device computes the next (without `overlap_steps`: launch one and collect it)."""
+        previous, self._in_flight = self._in_flight, None
+        try:
+            launched = self._launch_step(previous)
+        except Exception as e:
+            self._collect(previous)
+            held = self._slots.occupied()
+            self._free_slots([slot for slot, _ in held], clear=True)
+            self._fail([r for _, r in held], "decoding", e)
+            return
+        if self.overlap_steps:
+            self._in_flight = launched
+            self._collect(previous)
+        else:
+            self._collect(launched)
+
+    def _launch_step(self, previous: _InFlight | None) -> _InFlight | None:
+        """Launch a decode step over the batch bucket covering every held slot (after compaction); None when no
+        row needs another token. A row in `previous` (uncollected) is one token ahead of its recorded ids; a row
+        whose last token is in `previous` asks for nothing (it runs as a wasted row, like one that ends there)."""
+        ahead = {r for _, r in previous.rows} if previous is not None else set()
         moves = self._slots.compact()
         held = self._slots.occupied()
-        if not held:
-            return
         if moves:
             moved = {dst for _, dst in moves}
-            self._engine.move(moves, filled=max(len(r.prompt) + len(r.ids) - 1 for s, r in held if s in moved))
+            # the positions filled on the device: a row in `previous` has one more than its recorded ids say
+            self._engine.move(moves, filled=max(len(r.prompt) + len(r.ids) + (r in ahead) - 1
+                                                for s, r in held if s in moved))
             self.stats["compaction_moves"] += len(moves)
         bucket = self._slots.bucket()
         uniforms, need, mode = None, 0, 0  # uniforms: None while every row is greedy (nothing to draw or send)
-        for slot, r in held:  # per step and row: keep it lean (it runs while the GPU waits)
-            attended = len(r.prompt) + len(r.ids)  # the filled positions and the token fed now
-            if attended > need:
-                need = attended
+        for slot, r in held:  # per step and row: keep it lean
+            asked = len(r.ids) + (r in ahead)  # tokens asked of the device so far
+            if asked >= r.max_new_tokens:
+                continue
+            if len(r.prompt) + asked > need:  # the filled positions and the token fed now
+                need = len(r.prompt) + asked
             if r.mode:
                 if uniforms is None:
                     uniforms = [0.0] * bucket
-                uniforms[slot] = r.generator.random()
+                uniforms[slot] = r.generator.random()  # the row's next draw, whenever the step runs
                 if r.mode > mode:
                     mode = r.mode
-        slots, rows = [slot for slot, _ in held], [r for _, r in held]
+        if not need:
+            return None
+        start = time.perf_counter()
+        with self._pass():
+            step = self._engine.launch(bucket, need, uniforms, SAMPLING_MODES[mode])
+        self.stats["launch_s"] += time.perf_counter() - start
+        self.stats["decode_passes"] += 1
+        self.stats["padded_rows"] += bucket - len(held)
+        return _InFlight(step, held)
+
+    def _collect(self, launched: _InFlight | None) -> None:
+        """Record a launched step's tokens for its rows that are still decoding and retire those that are done;
+        rows that ended (or were cancelled) since its launch count as wasted."""
+        if launched is None:
+            return
+        live = [(slot, r) for slot, r in launched.rows if not (r.finished or r.cancelled)]
+        rows = [r for _, r in live]
+        self.stats["decoded_rows"] += len(live)
+        self.stats["wasted_rows"] += len(launched.rows) - len(live)
+        start = time.perf_counter()
         try:
-            with self._pass():
-                tokens, logprobs = self._engine.step(bucket, need, uniforms, SAMPLING_MODES[mode])
-            self.stats["decode_passes"] += 1
-            self.stats["decoded_rows"] += len(rows)
-            self.stats["padded_rows"] += bucket - len(rows)
-            keep = set(self._record(rows, [tokens[s] for s in slots], [logprobs[s] for s in slots]))
+            tokens, logprobs = self._engine.collect(launched.step)
+            self.stats["step_wait_s"] += time.perf_counter() - start
+            keep = set(self._record(rows, [tokens[s] for s, _ in live], [logprobs[s] for s, _ in live]))
         except Exception as e:
-            self._free_slots(slots, clear=True)
+            self._free_rows(rows, clear=True)
             self._fail(rows, "decoding", e)
             return
-        self._free_slots([slot for i, slot in enumerate(slots) if i not in keep])
+        self._free_rows([r for i, r in enumerate(rows) if i not in keep])
+
+    def _collect_in_flight(self) -> None:
+        launched, self._in_flight = self._in_flight, None
+        self._collect(launched)
+
+    def _free_rows(self, rows: list[_Request], clear: bool = False) -> None:
+        """Free the slots `rows` hold now (a compaction since a step's launch may have moved them)."""
+        if rows:
+            leaving = set(rows)
+            self._free_slots([slot for slot, r in self._slots.occupied() if r in leaving], clear=clear)
 
     def _free_slots(self, slots: list[int], clear: bool = False) -> None:
         self._slots.release(slots)
@@ -602,11 +749,14 @@ class HFPolicy(Policy):
         if room <= 0 or not self._waiting:
             return
         new, self._waiting = self._waiting[:room], self._waiting[room:]
+        start = time.perf_counter()
         try:
             batch = self._prefill(new)
         except Exception as e:
             self._fail(new, "prefill", e)
             return
+        finally:
+            self.stats["prefill_s"] += time.perf_counter() - start
         if not batch.rows:
             return
         if any(self._merge(running, batch) for running in self._batches):
@@ -721,7 +871,12 @@ class HFPolicy(Policy):
         for request in requests:
             error = GenerationError(message)
             error.__cause__ = exc
-            self._done.append((request, error))
+            self._finish(request, error)
+
+    def _finish(self, request: _Request, outcome: str | BaseException) -> None:
+        """Decide a request's outcome; it settles with the next `_settle_done`."""
+        request.finished = True
+        self._done.append((request, outcome))
 
     def _settle_done(self) -> None:
         """Resolve finished requests; restore the module's train mode first if nothing else is running."""

@@ -20,7 +20,13 @@ followed by a user turn instead of ending the episode. The driver plays them all
 Everything is warmed up at each batch size's own shapes before timing (the first warm-up also builds the driver's
 env pool, as a trainer's first step would). Goals: engine >= 2x hf_static (the fast path, on CUDA) and driver >=
 0.95x engine. Also reported: the driver's wall-time split (generation in flight / tool steps only / its own
-bookkeeping: resets, parsing, conversation ids, training samples with the drift check) and the policy's pass counts.
+bookkeeping: resets, parsing, conversation ids, training samples with the drift check), the policy's pass counts
+(prefill passes, decode steps, rows per step: decoded, wasted — launched before their row's end was read — and
+padding) and its worker's time: busy, gathering the requests that trickle in when it is idle, in prefill passes,
+launching decode steps (on CUDA enqueueing them; on CPU computing them), waiting for their outputs, and the rest
+(its bookkeeping between steps, including the waits to take the GIL back from the event loop). With overlapped
+steps the launches and the rest run while the device computes the step before: where they take longer than a
+step, the host is the bottleneck.
 
     python benchmarks/bench_rollout.py                                   # CPU: tiny random Qwen2, batch 64 and 256
     python benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --new-tokens 128 --batch 64 256 512 \
@@ -192,10 +198,16 @@ def print_row(row: dict) -> None:
         p = row[f"{name}_passes"]
         steps = max(1, p["decode_passes"])
         print(f"      {name:<6} passes: {p['prefill_passes']} prefill, {p['decode_passes']} decode "
-              f"({p['decoded_rows'] / steps:.1f} rows + {p['padded_rows'] / steps:.1f} padding each), "
+              f"({p['decoded_rows'] / steps:.1f} rows + {p['wasted_rows'] / steps:.1f} wasted + "
+              f"{p['padded_rows'] / steps:.1f} padding each), "
               f"{p['graph_replays']} graph replays, {p['graph_captures']} captures, "
               f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn, "
               f"{p['compilations']} compilations ({p['compile_s']:.1f} s)")
+        host = p["busy_s"] - p["gather_s"] - p["prefill_s"] - p["launch_s"] - p["step_wait_s"]
+        print(f"             worker busy {p['busy_s']:.2f} s: gathering {p['gather_s']:.2f}, prefill "
+              f"{p['prefill_s']:.2f}, launching decode steps {p['launch_s']:.2f} ({p['launch_s'] / steps * 1e3:.2f} "
+              f"ms each), waiting for them {p['step_wait_s']:.2f} ({p['step_wait_s'] / steps * 1e3:.2f} ms), "
+              f"the rest {host:.2f} ({host / steps * 1e3:.2f} ms a step: bookkeeping, taking the GIL back)")
 
 
 def verdict(rows: list[dict]) -> dict:

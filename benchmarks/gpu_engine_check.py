@@ -22,11 +22,15 @@ For the Qwen2.5-0.5B shape (random init) in each dtype (default bf16 and fp32):
   parameters in place); after ``load_state_dict(assign=True)`` (new tensors) the policy notices the reallocation,
   captures again, and again equals the transformers path.
 
-Then ``trained``: the same random 0.5B shape trained for a few hundred AdamW steps (fp32 weights, bf16 autocast) to
-continue periodic sequences (a random segment of 16-48 tokens repeated: the continuation is a copy from the
-context, which the model learns confidently); the final loss shows whether it learned. On it, in bf16 and fp32:
-``equality`` and ``noise_floor`` on prompts of one period and a few tokens — the bf16 equality goal measured where
-greedy decoding is not a string of near-ties.
+Then ``trained``: the same random 0.5B shape trained (AdamW, lr 3e-4 after a 20-step warm-up, fp32 weights under
+bf16 autocast; until the loss is below 0.05, or 40 s with ``--quick``, 60 s without) on a bigram task: 1,000 token
+ids in a random cyclic order, sequences that walk along it (each next id depends on the current one only: a table
+the model learns quickly, no induction heads needed). The loss is printed every 25 steps; the final loss against
+ln(vocab) shows whether it learned. On it, in bf16 and fp32, with prompts that are short walks:
+``decisiveness`` (the reference's greedy continuations: the share that follows the cycle; the top-1 logit margin
+at each position against the dtype's logit noise — the largest change of a logit between the rows batched and
+run one at a time — and the share of positions whose margin exceeds it), then ``equality`` and ``noise_floor`` —
+the bf16 equality goal measured where greedy decoding is decisive, not a string of near-ties.
 
 Each check reports its own error (with traceback) and the others still run; the JSON is rewritten after each.
 
@@ -34,6 +38,8 @@ Each check reports its own error (with traceback) and the others still run; the 
     python benchmarks/gpu_engine_check.py --quick --out gpu_engine_check.json    # fewer buckets, bf16 only
     python benchmarks/gpu_engine_check.py --model tiny --device cpu --prompts 8 --new-tokens 8 --train-steps 20 \\
         --out /tmp/c.json
+    python benchmarks/gpu_engine_check.py --model tiny --device cpu --only trained --dtypes fp32 --prompts 8 \\
+        --new-tokens 8 --train-lr 3e-3 --out /tmp/t.json                  # the training on CPU
 """
 
 from __future__ import annotations
@@ -64,7 +70,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GOALS = {"bf16": 0.95, "fp32": 1.0}  # share of identical greedy continuations, fast path vs transformers path
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=512)
-COPY_TOKENS = (10, 8000)  #: the trained model's sequences use ids in this range (capped by the vocabulary)
+TASK_TOKENS = (10, 8000)  #: the trained model's task uses ids from this range (capped by the vocabulary)
+TASK_IDS = 1000  #: how many: its bigram table has this many entries
 
 
 def build(name: str, dtype: torch.dtype, device: str):
@@ -230,64 +237,114 @@ def check_weights(model, prompts, args, dtype_name) -> dict:
 CHECKS = [("equality", check_equality), ("graphs_vs_eager", check_graphs_vs_eager),
           ("compiled_vs_uncompiled", check_compiled_vs_uncompiled), ("noise_floor", check_noise_floor),
           ("step_times", check_step_times), ("weights", check_weights)]
-TRAINED_CHECKS = [("equality", check_equality), ("noise_floor", check_noise_floor)]
 
 
 # --------------------------------------------------------------------------------------------- the trained model
-def periodic_sequences(rows: int, length: int, vocab: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequences of a random segment of 16-48 ids repeated to `length` tokens, and each one's period."""
-    low, high = COPY_TOKENS[0], min(COPY_TOKENS[1], vocab)
-    periods = torch.randint(16, 49, (rows,), generator=gen)
-    segments = torch.randint(low, high, (rows, 48), generator=gen)
-    return segments.gather(1, torch.arange(length)[None, :] % periods[:, None]), periods
+def bigram_cycle(vocab: int, ids: int, seed: int = 0) -> torch.Tensor:
+    """`ids` distinct token ids from `TASK_TOKENS` (capped by the vocabulary) in a random cyclic order: each id's
+    successor is the next one in the cycle (the last one's is the first)."""
+    low, high = TASK_TOKENS[0], min(TASK_TOKENS[1], vocab)
+    gen = torch.Generator().manual_seed(seed)
+    return low + torch.randperm(high - low, generator=gen)[:min(ids, high - low)]
 
 
-def train_copy_task(model, args) -> dict:
-    """AdamW on the copy positions (warm-up, cosine decay to a tenth, gradient clipping) until the loss is below
-    0.02 or `--train-steps` steps; bf16 autocast on CUDA. Returns the losses."""
+def cycle_walks(cycle: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
+    """Rows of `length` ids following the cycle from each start index: shorter than the cycle, a walk never
+    repeats, so the next id depends on the current one only (a bigram table: no copying from the context)."""
+    return cycle[(starts[:, None] + torch.arange(length)[None, :]) % len(cycle)]
+
+
+def train_bigram_task(model, cycle: torch.Tensor, args) -> dict:
+    """AdamW (linear warm-up, gradient clipping; bf16 autocast over fp32 weights on CUDA) on walks of the cycle,
+    the loss on every next token, until the mean of the last 5 losses is below `--train-loss`, `--train-steps`
+    steps or `--train-seconds`. Prints the loss every 25 steps; returns the curve."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.train_lr, weight_decay=0.0,
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.train_lr, betas=(0.9, 0.95), weight_decay=0.0,
                                   fused=device.type == "cuda")
-    steps, warm = args.train_steps, max(1, args.train_steps // 10)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) * (
-        0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
+    warm = 20
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm))
     model.train()
-    losses, start = [], time.perf_counter()
-    for step in range(steps):
-        ids, periods = periodic_sequences(args.train_batch, args.train_len, model.config.vocab_size, gen)
-        copy = (torch.arange(args.train_len - 1)[None, :] + 1 >= periods[:, None]).to(device)  # next token repeats
-        ids = ids.to(device)
+    losses, start, stop = [], time.perf_counter(), "steps"
+    for step in range(args.train_steps):
+        ids = cycle_walks(cycle, torch.randint(len(cycle), (args.train_batch,), generator=gen),
+                          args.train_len).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = model(input_ids=ids).logits
-        loss = F.cross_entropy(logits[:, :-1][copy].float(), ids[:, 1:][copy])
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         losses.append(loss.item())
-        if len(losses) >= 5 and max(losses[-5:]) < 0.02:
+        if step % 25 == 0:
+            print(f"    step {step:>4} loss {losses[-1]:.4f} ({time.perf_counter() - start:.1f} s)", flush=True)
+        if len(losses) >= 5 and sum(losses[-5:]) / 5 < args.train_loss:
+            stop = "loss"
+            break
+        if time.perf_counter() - start > args.train_seconds:
+            stop = "seconds"
             break
     model.eval()
     del optimizer
-    return dict(steps=len(losses), seconds=round(time.perf_counter() - start, 1), first_loss=round(losses[0], 4),
-                final_loss=round(sum(losses[-5:]) / len(losses[-5:]), 4),
-                loss_every_25_steps=[round(x, 4) for x in losses[::25]])
+    return dict(task=f"bigram cycle over {len(cycle)} ids", steps=len(losses), stopped_by=stop,
+                seconds=round(time.perf_counter() - start, 1), first_loss=round(losses[0], 4),
+                final_loss=round(sum(losses[-5:]) / len(losses[-5:]), 4), uniform_loss=round(math.log(
+                    model.config.vocab_size), 4), loss_every_25_steps=[round(x, 4) for x in losses[::25]])
 
 
-def copy_prompts(n: int, vocab: int) -> list[list[int]]:
-    """One period of a random segment of 16-48 ids, plus its first 4 tokens again (the period is established)."""
-    ids, periods = periodic_sequences(n, 52, vocab, torch.Generator().manual_seed(1))
-    return [row[:int(p) + 4].tolist() for row, p in zip(ids, periods)]
+def bigram_prompts(cycle: torch.Tensor, n: int) -> list[list[int]]:
+    """Walks of 4-36 ids from spread-out starts: the greedy continuation should go on along the cycle."""
+    starts = torch.arange(n) * (len(cycle) // max(1, n))
+    return [walk[:4 + (7 * i) % 33].tolist() for i, walk in enumerate(cycle_walks(cycle, starts, 36))]
+
+
+def check_decisiveness(model, prompts, args, dtype_name) -> dict:
+    """How decisive the reference's greedy continuations are: at each of their positions, the top-1 margin (top-1
+    minus top-2 logit) of a forward over prompt + continuation with all rows in one batch, against the logit noise
+    of the dtype: the largest change of any logit when the same rows run one at a time (other padding, other
+    shapes). A position whose margin exceeds the noise cannot flip between two computations."""
+    reference, _, _ = greedy(model, prompts, args.new_tokens, fast_path=False)
+    device = next(model.parameters()).device
+    rows = [p + g.ids for p, g in zip(prompts, reference)]
+    n = min(len(g.ids) for g in reference)
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    with torch.no_grad():
+        batched = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        logits_to_keep=n + 1).logits[:, :n].float()
+        alone = torch.cat([model(input_ids=torch.tensor([r], device=device), logits_to_keep=n + 1).logits[:, :n]
+                           for r in rows]).float()
+    top2 = batched.topk(2, dim=-1).values
+    margins = (top2[..., 0] - top2[..., 1]).flatten()
+    noise = (batched - alone).abs().amax(dim=-1).flatten()
+    return dict(positions=margins.numel(), margin_median=round(margins.median().item(), 3),
+                margin_min=round(margins.min().item(), 3), logit_noise_max=round(noise.max().item(), 4),
+                share_decisive=round((margins > noise.max()).float().mean().item(), 4),
+                follows_the_cycle=round(follow_share(prompts, reference, model.config.vocab_size), 4))
+
+
+def follow_share(prompts, generations, vocab: int) -> float:
+    """Share of generated tokens that are the cycle successor of the token before them."""
+    cycle = bigram_cycle(vocab, TASK_IDS).tolist()
+    successor = {a: b for a, b in zip(cycle, cycle[1:] + cycle[:1])}
+    pairs = [(a, b) for p, g in zip(prompts, generations) for a, b in zip([p[-1]] + g.ids[:-1], g.ids)]
+    return sum(successor.get(a) == b for a, b in pairs) / max(1, len(pairs))
+
+
+TRAINED_CHECKS = [("decisiveness", check_decisiveness), ("equality", check_equality),
+                  ("noise_floor", check_noise_floor)]
 
 
 def run_trained(args, report: dict, out: Path) -> None:
     section = report["checks"]["trained"] = {}
     model = build(args.model, torch.float32, args.device).train()
-    section["training"] = guarded("training", lambda: train_copy_task(model, args))
+    cycle = bigram_cycle(model.config.vocab_size, TASK_IDS)
+    section["training"] = guarded("training", lambda: train_bigram_task(model, cycle, args))
     out.write_text(json.dumps(report, indent=2))
-    prompts = copy_prompts(args.prompts, model.config.vocab_size)
+    prompts = bigram_prompts(cycle, args.prompts)
     for dtype_name in args.dtypes:  # bf16 first: fp32 then holds the bf16-rounded weights
         model = model.to(DTYPES[dtype_name])
         checks = section[dtype_name] = {}
@@ -322,7 +379,8 @@ def summary(result: dict) -> str:
         return f"ERROR {result['error']}"
     keys = ("share_identical", "logprob_max_abs_diff", "passed", "compilations", "compile_s", "fast_run_s",
             "changed_share", "captures_after_in_place_change", "module_reallocations", "graphs_captured", "grid_s",
-            "steps", "final_loss")
+            "steps", "stopped_by", "first_loss", "final_loss", "uniform_loss", "follows_the_cycle", "margin_median",
+            "logit_noise_max", "share_decisive")
     text = ", ".join(f"{k} {result[k]}" for k in keys if k in result and not isinstance(result[k], list))
     for key in ("in_place_vs_reference", "reassigned_vs_reference"):
         if key in result:
@@ -348,14 +406,16 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--only", nargs="+", choices=[name for name, _ in CHECKS] + ["trained"],
                     help="run only these checks")
     ap.add_argument("--quick", action="store_true", help="fewer buckets, bf16 only, a shorter training")
-    ap.add_argument("--train-steps", type=int, help="training steps of the trained model (default 400, 250 quick)")
-    ap.add_argument("--train-batch", type=int, default=32)
-    ap.add_argument("--train-len", type=int, default=256)
-    ap.add_argument("--train-lr", type=float, default=1e-3)
+    ap.add_argument("--train-steps", type=int, default=1000, help="most training steps of the trained model")
+    ap.add_argument("--train-seconds", type=float, help="most training seconds (default 60, 40 with --quick)")
+    ap.add_argument("--train-loss", type=float, default=0.05, help="training stops below this loss")
+    ap.add_argument("--train-batch", type=int, default=16, help="sequences per training step")
+    ap.add_argument("--train-len", type=int, default=128, help="tokens per sequence (less than the task's ids)")
+    ap.add_argument("--train-lr", type=float, default=3e-4)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.dtypes = args.dtypes or (["bf16"] if args.quick else ["bf16", "fp32"])
-    args.train_steps = args.train_steps or (250 if args.quick else 400)
+    args.train_seconds = args.train_seconds or (40.0 if args.quick else 60.0)
     return args
 
 
@@ -383,7 +443,7 @@ def main():
         if args.device == "cuda":
             checks["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     if not args.only or "trained" in args.only:
-        print(f"{args.model} trained on the copy task:", flush=True)
+        print(f"{args.model} trained on a bigram task:", flush=True)
         run_trained(args, report, out)
     out.write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")

@@ -1,10 +1,12 @@
 """The fast decode path (`agents.fast_decode`) against HFPolicy's transformers path, on tiny random Qwen2, Qwen3 and
 Llama models: same tokens and logprobs, rows joining and leaving, slot compaction and reuse, cancellation, memory
-release, reallocated weights, fallbacks; the sampler's arithmetic; property tests of the slot bookkeeping.
+release, reallocated weights, fallbacks; overlapped steps (the tokens of one step at a time, the wasted row-steps
+counted) and the worker's switch interval; the sampler's arithmetic; property tests of the slot bookkeeping.
 
 On CPU the decode step runs eagerly (the very functions a CUDA graph captures), and compiled by Inductor in the
-tests that say so; with ``MT_ENV_TEST_DEVICE=cuda`` the same tests run as the fast path runs by default there:
-compiled and captured in CUDA graphs.
+tests that say so; with ``MT_ENV_TEST_DEVICE=cuda`` the same tests run captured in CUDA graphs, and the equality
+tests run the step as the fast path does by default there: compiled too (the other tests are about scheduling and
+bookkeeping: they skip the compilations, and the run takes a minute or two).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import sys
 
 import pytest
 import torch
@@ -23,12 +26,13 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from agents import compiling
 from agents.fast_decode import (STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable, batch_buckets, bucket_for,
                                 decoder_layout, prefill_groups, sample_tokens)
-from agents.hf_policy import HFPolicy
+from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
-from .test_policy_hf import DEVICE, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
+from .test_policy_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
-FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda")
+FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False)
+DEFAULT_FAST = dict(fast_path=True)  #: as HFPolicy runs it by default: on CUDA compiled and in CUDA graphs
 TRANSFORMERS = dict(fast_path=False)
 LOGPROB_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -88,7 +92,7 @@ MIXES = {
 @pytest.mark.parametrize("mix", list(MIXES))
 def test_fast_path_gives_the_transformers_paths_tokens_and_logprobs(arch_model, mix):
     params = MIXES[mix]
-    fast, stats = run(generate_together(arch_model, PROMPTS, params, **FAST))
+    fast, stats = run(generate_together(arch_model, PROMPTS, params, **DEFAULT_FAST), timeout=300)
     reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
     assert_same(fast, reference)
     assert stats["decode_passes"] > 0 and stats["merges"] == 0
@@ -181,16 +185,76 @@ def test_stats_count_the_passes_the_model_runs(model):
     calls = [0]
     handle = model.lm_head.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     try:
-        _, stats = run(generate_together(model, PROMPTS, MIXES["mixed"], fast_path=True, cuda_graphs=False))
+        _, stats = run(generate_together(model, PROMPTS, MIXES["mixed"], **FAST | dict(cuda_graphs=False)))
     finally:
         handle.remove()
     assert calls[0] == stats["prefill_passes"] + stats["decode_passes"] > len(PROMPTS)
 
 
+STOPPING = [SamplingParams(temperature=0 if i % 4 == 0 else 1.0, max_new_tokens=1 + (7 * i) % 30, seed=i,
+                           stop_token_ids=tuple(range(i % 8, VOCAB, 8))) for i in range(24)]  # 1 id in 8 stops
+
+
+@pytest.mark.parametrize("mix", ["greedy", "sampled", "truncated", "mixed", "stopping"])
+def test_overlapped_steps_give_the_tokens_of_one_step_at_a_time(model, mix):
+    params = STOPPING if mix == "stopping" else MIXES[mix]
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(len(params))]
+    overlapped, stats = run(generate_together(model, prompts, params, **FAST))
+    serial, serial_stats = run(generate_together(model, prompts, params, **FAST, overlap_steps=False))
+    assert_same(overlapped, serial)
+    assert serial_stats["wasted_rows"] == 0
+    assert stats["decoded_rows"] == serial_stats["decoded_rows"] == sum(len(g.ids) - 1 for g in serial)
+
+
+def test_a_row_that_ends_costs_one_wasted_row_step_when_another_step_follows(model):
+    """All rows prefilled together; row i ends at decode step k_i (its tokens - 1; 0: at the prefill) and is
+    launched into step k_i + 1 before its end is read, unless its last allowed token (m_i) was already in flight.
+    So the steps run are S = max(min(k_i + 1, m_i - 1)), and every row with 1 <= k_i < S wastes one row-step."""
+    prompts = [PROMPTS[i % len(PROMPTS)] + [i] for i in range(len(STOPPING))]
+    gens, stats = run(generate_together(model, prompts, STOPPING, max_batch_size=32, gather_window_s=0.2, **FAST))
+    ends = [(len(g.ids) - 1, p.max_new_tokens) for g, p in zip(gens, STOPPING)]
+    steps = max(min(k + 1, m - 1) for k, m in ends if k >= 1)
+    assert stats["prefill_passes"] == 1 and stats["decode_passes"] == steps
+    assert stats["wasted_rows"] == sum(1 <= k < steps for k, _ in ends)
+    assert {g.finish_reason for g in gens} == {"stop", "length"} and stats["wasted_rows"] > 0
+    _, serial = run(generate_together(model, prompts, STOPPING, max_batch_size=32, gather_window_s=0.2, **FAST,
+                                      overlap_steps=False))
+    assert serial["decode_passes"] == max(k for k, _ in ends) and serial["wasted_rows"] == 0
+
+
+def test_the_switch_interval_is_lowered_while_a_worker_serves_and_restored_after_the_last(model):
+    """The worker's GIL take-backs must not wait 5 ms for a busy event-loop thread (see `_SwitchInterval`)."""
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(0.004)
+
+    async def main():
+        async with HFPolicy(model, **FAST) as first, HFPolicy(model, **FAST) as second:
+            seen = [sys.getswitchinterval()]
+            long = asyncio.create_task(first.generate(PROMPTS[0], SamplingParams(max_new_tokens=400)))
+            while first.stats["decode_passes"] < 3:
+                await asyncio.sleep(0.001)
+            seen.append(sys.getswitchinterval())
+            await second.generate(PROMPTS[1], GREEDY)  # the second goes idle: the first still serves
+            seen.append(sys.getswitchinterval())
+            await long
+            for _ in range(2000):  # the worker goes idle just after settling its last request
+                if sys.getswitchinterval() == 0.004:
+                    break
+                await asyncio.sleep(0.001)
+            return seen + [sys.getswitchinterval()]
+
+    try:
+        assert run(main()) == [0.004, SERVING_SWITCH_INTERVAL_S, SERVING_SWITCH_INTERVAL_S, 0.004]
+        assert sys.getswitchinterval() == 0.004  # both closed
+    finally:
+        sys.setswitchinterval(saved)
+
+
 def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone(model):
     """300 requests in three waves onto 256 slots (a GPU run crashed at this size): prompts of 1-60 tokens, 1-40
     new tokens, greedy and seeded rows, stop tokens, cancellations, the third wave waiting for free slots, slots
-    compacted as rows leave. Every row gets the tokens the transformers path gives it; every slot ends free."""
+    compacted as rows leave. Every row gets the tokens the transformers path gives it, with overlapped steps and
+    one step at a time; every slot ends free."""
     rng = random.Random(7)
     prompts = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(300)]
     params = [SamplingParams(temperature=0 if i % 4 == 0 else 1.0, max_new_tokens=rng.randint(1, 40), seed=i,
@@ -213,13 +277,16 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
             return gens, dict(policy.stats), lengths
 
     fast, stats, lengths = run(main(**FAST), timeout=300)
+    serial, serial_stats, serial_lengths = run(main(**FAST, overlap_steps=False), timeout=300)
     reference, _, _ = run(main(**TRANSFORMERS), timeout=300)
     finished = [i for i in range(300) if i not in doomed]
     assert_same([fast[i] for i in finished], [reference[i] for i in finished])
+    assert_same([serial[i] for i in finished], [reference[i] for i in finished])
     assert all(isinstance(fast[i], asyncio.CancelledError) or fast[i].finish_reason in ("stop", "length")
                for i in doomed)  # cancelled, or done before the cancellation
     assert stats["compaction_moves"] > 0 and stats["prefill_passes"] >= 4 and stats["padded_rows"] > 0
-    assert lengths == [0] * 256
+    assert stats["wasted_rows"] > 0 and serial_stats["wasted_rows"] <= len(doomed)  # serial: only cancellations
+    assert lengths == serial_lengths == [0] * 256
 
 
 # ------------------------------------------------------------------------------------------------- memory, limits
@@ -471,6 +538,10 @@ def test_compaction_keeps_each_rows_kv_and_position(small_engine_model, lengths,
 
 # ------------------------------------------------------------------------------------------------- compiled step
 # Last in the file: these tests empty dynamo's caches (the tests before them reuse compiled code).
+CPU_INDUCTOR = pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA the equality tests run "
+                                                          "the compiled step)")
+
+
 @pytest.fixture
 def fresh_compilations(monkeypatch):
     """Dynamo's caches emptied (compiled code is shared by the whole process) and a registry of compiled functions
@@ -497,7 +568,7 @@ def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEng
     return out, engine
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+@CPU_INDUCTOR
 def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
         fresh_compilations):
     model = build("qwen3", num_hidden_layers=4)
@@ -511,13 +582,39 @@ def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for
     assert again.stats["compilations"] == 0  # another engine reuses the compiled code
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU run of Inductor (on CUDA every fast-path test compiles)")
+@CPU_INDUCTOR
 def test_a_policy_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
     params = MIXES["mixed"]
     fast, stats = run(generate_together(arch_model, PROMPTS, params, fast_path=True, compile=True), timeout=600)
     reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))
     assert_same(fast, reference)
     assert stats["compilations"] >= len(STEP_FUNCTIONS)
+
+
+def test_inductor_records_are_dropped_only_on_a_thread_compiling_for_the_engine():
+    """A failed compilation is reported by `compile_reason`; Inductor's dump of it (hundreds of lines at CRITICAL,
+    from torch._inductor.scheduler) is dropped while our thread compiles. Other threads and loggers still log."""
+    import logging
+    import threading
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    inductor, handler = logging.getLogger("torch._inductor"), Keep()
+    inductor.addHandler(handler)
+    try:
+        with compiling._QUIET.quiet():
+            logging.getLogger("torch._inductor.scheduler").critical("dropped")
+            other = threading.Thread(target=lambda: logging.getLogger("torch._inductor.scheduler").critical("kept"))
+            other.start()
+            other.join()
+        logging.getLogger("torch._inductor.scheduler").critical("kept after")
+    finally:
+        inductor.removeHandler(handler)
+    assert seen == ["kept", "kept after"]
 
 
 def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilations):
