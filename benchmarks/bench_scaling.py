@@ -159,6 +159,20 @@ def step_figures(run_dir: Path, warmup: int) -> dict:
             "medians": {k: statistics.median(r[k] for r in timed if k in r) for k in keys}}
 
 
+def earlier_runs(out: Path) -> dict:
+    """The runs of an earlier report in `out` (with their step rows), so that a run repeated with --only replaces
+    its own entry and keeps the others."""
+    path = out / "scaling.json"
+    if not path.is_file():
+        return {}
+    runs = json.loads(path.read_text()).get("runs", {})
+    rows_file = out / "scaling_runs.jsonl"
+    for line in rows_file.read_text().splitlines() if rows_file.is_file() else []:
+        row = json.loads(line)
+        runs.setdefault(row.pop("run"), {}).setdefault("rows", []).append(row)
+    return runs
+
+
 def summary(results: dict) -> dict:
     def fig(name, key):
         return results.get(name, {}).get(key)
@@ -213,7 +227,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     ap.add_argument("--fsdp3b", action="store_true", help="also the 3B shape under FSDP2")
     ap.add_argument("--fsdp-steps", type=int, default=3)
-    ap.add_argument("--only", default=None, help="comma-separated run names")
+    ap.add_argument("--only", default=None, help="comma-separated run names (an earlier report in --out keeps the "
+                                                 "other runs)")
     ap.add_argument("--run-timeout", type=float, default=170.0, help="seconds per run (FSDP: 120 more)")
     ap.add_argument("--budget", type=float, default=550.0, help="seconds for everything: runs that cannot start "
                                                                 "with 45s left are skipped")
@@ -224,10 +239,10 @@ def main() -> int:
     data = gsm8k_data(args.data)
     if data is None:
         raise SystemExit("bench_scaling: no GSM8K data (train.jsonl, test.jsonl): pass --data DIR or set $MT_ENV_GSM8K")
-    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": str(ROOT), "MT_ENV_GSM8K": data}
+    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "MT_ENV_GSM8K": data}
     meta = {"command": " ".join(sys.argv), "gsm8k": data, "prompts": args.prompts, "steps": args.steps,
             "warmup": args.warmup, "machine": machine()}
-    results: dict = {}
+    results: dict = earlier_runs(out) if args.only else {}
     runs = [r for r in plan(args, work) if not args.only or r["name"] in args.only.split(",")]
     for run in runs:
         left = args.budget - (time.perf_counter() - start)
@@ -248,9 +263,10 @@ def main() -> int:
               flush=True)
         report = write(out, results, meta)
     report = write(out, results, meta)
-    with tarfile.open(out / "scaling_logs.tar.gz", "w:gz") as tar:  # every run's full log
+    logs = out / ("scaling_logs.tar.gz" if not args.only else f"scaling_logs_{args.only.replace(',', '_')}.tar.gz")
+    with tarfile.open(logs, "w:gz") as tar:  # the full log of every run made now
         for r in results.values():
-            if "log" in r:
+            if "log" in r and Path(r["log"]).is_file():
                 tar.add(r["log"], arcname=Path(r["log"]).name)
     print("\n".join(f"{k}: {report[k]}" for k in ("speedup_weak", "speedup_strong", "update_matches_1gpu",
                                                   "fsdp_3b_step_s", "fsdp_3b_peak_gib", "async_step_s",

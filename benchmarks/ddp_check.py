@@ -114,7 +114,8 @@ def main() -> int:
         flags = ["--device", args.device, "--model", args.model, "--rows", str(args.rows), "--seq", str(args.seq),
                  "--micro", str(args.micro), "--worker", tmp]
         script = str(Path(__file__).resolve())
-        env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         commands = [[sys.executable, script, *flags],
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
                      *flags]]

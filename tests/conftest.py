@@ -17,6 +17,15 @@ SHARED_GSM8K = SHARED / "data" / "gsm8k"
 
 _common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
                derandomize=False)
+
+
+def subprocess_env(**extra: str) -> dict:
+    """The environment of a child Python: this repository first on its path (the caller's path kept after it),
+    one CPU thread unless told otherwise."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **extra}
+
+
 settings.register_profile("ci", max_examples=500, **_common)
 settings.register_profile("dev", max_examples=100, **_common)
 settings.register_profile("slow", max_examples=5000, **_common)

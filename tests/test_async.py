@@ -21,6 +21,7 @@ from trainers.config import ConfigError, load_config
 from trainers.ppo import main as ppo_main
 from trainers.setup import TaskSource
 
+from .conftest import subprocess_env
 from .test_trainer import TINY as TRAINER_TINY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ def torchrun(out: Path, *overrides: str, timeout: int = 600) -> subprocess.Compl
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "trainers" / "ppo.py"), "--set", f"output_dir={out}",
            *[a for o in overrides for a in ("--set", o)]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = subprocess_env()
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 

@@ -21,6 +21,7 @@ from trainers.checkpoints import Checkpointer, RunDirError, RunPlan, RunState, p
 from trainers.config import load_config
 from trainers.stopping import EmptySteps, NothingTrains, StopRequested, entry_point, resume_command
 
+from .conftest import subprocess_env
 from .test_trainer import ROOT, TINY, metrics, run
 
 
@@ -195,7 +196,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_same_command_resumes(tmp_path
     out = tmp_path / "run"
     args = ["--set", f"output_dir={out}", "--set", "trainer.total_steps=1000", "--set", "threads=1",
             *[a for o in TINY for a in ("--set", o)]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = subprocess_env()
     proc = subprocess.Popen([sys.executable, str(ROOT / "trainers" / "ppo.py"), *args], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

@@ -8,13 +8,14 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from .conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -30,7 +31,7 @@ def test_ddp_update_equals_the_single_process_update(tmp_path):
     out = tmp_path / "ddp_check.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_check.py"), "--device", "cpu", "--out",
                            str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)))
+                          env=subprocess_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["update_matches_1gpu"] and report["relative_diff"] < 1e-4

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,8 @@ import pytest
 import torch
 
 from trainers.ppo import main as ppo_main
+
+from .conftest import subprocess_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -89,7 +90,7 @@ def test_two_process_ddp_on_cpu(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "trainers" / "ppo.py"), "--set", f"output_dir={tmp_path}", "--set", "trainer.total_steps=2",
            "--set", "threads=1", *[a for o in TINY for a in ("--set", o)]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env = subprocess_env()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in metrics(tmp_path) if "actor/loss" in r]

@@ -1,0 +1,44 @@
+#!/bin/bash
+# The GPU measurements behind the README's figures, in the groups they were run (each fits a 10-minute call).
+#   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout | CUDA tests + RL step
+#   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
+#   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2
+# Results go to $OUT (default benchmarks/results/run); GSM8K is read from $MT_ENV_GSM8K. A folder .whl/ of wheels,
+# when present, is installed first (for machines without PyPI).
+set -u
+OUT=${OUT:-benchmarks/results/run}
+export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # no NVLink multicast
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site || exit 1
+fi
+mkdir -p "$OUT"
+
+single_gpu0() {
+  timeout 210 python3 benchmarks/gpu_engine_check.py --quick --out "$OUT/gpu_engine_check.json" \
+    > "$OUT/gpu_engine_check.txt" 2>&1; echo "gpu_engine_check rc=$?"
+  timeout 220 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 \
+    --new-tokens 128 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "bench_rollout rc=$?"
+}
+
+single_gpu1() {
+  MT_ENV_TEST_DEVICE=cuda timeout 150 python3 -m pytest tests/test_fast_decode.py tests/test_policy_hf.py -q -x \
+    -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1; echo "cuda tests rc=$?"
+  timeout 270 python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" > "$OUT/rl_step.txt" 2>&1
+  echo "bench_rl_step rc=$?"
+}
+
+case "${1:-}" in
+  single)
+    CUDA_VISIBLE_DEVICES=0 single_gpu0 & CUDA_VISIBLE_DEVICES=1 single_gpu1 & wait
+    tail -40 "$OUT/gpu_engine_check.txt"; tail -25 "$OUT/rollout.txt"; tail -5 "$OUT/cuda_tests.txt"
+    tail -30 "$OUT/rl_step.txt" ;;
+  scaling)
+    timeout 590 python3 benchmarks/bench_scaling.py --out "$OUT" --work /tmp/bench_scaling --budget 560 \
+      --only ddp_check,1gpu,2gpu_weak,2gpu_strong,async; echo "bench_scaling rc=$?" ;;
+  fsdp)
+    timeout 590 python3 benchmarks/bench_scaling.py --out "$OUT" --work /tmp/bench_scaling --budget 560 \
+      --only fsdp3b --fsdp3b; echo "bench_scaling rc=$?" ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh single|scaling|fsdp" >&2; exit 2 ;;
+esac
