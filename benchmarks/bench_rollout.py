@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import gc
 import json
 import os
 import shlex
@@ -55,6 +56,7 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
+import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
@@ -144,6 +146,8 @@ def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], args, st
     # pay for both.
     warm = driver.run(tasks, step=step + 500)
     asyncio.run(run_engine(policy, turn_work(warm), args.temperature))
+    if args.gc_freeze:
+        gc.freeze()
     for r in range(args.repeats):
         before = dict(policy.stats)
         start = time.perf_counter()
@@ -237,6 +241,12 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, help="torch CPU threads; default 1 on cpu (on a small shared CPU, "
                     "intra-op threads waiting for a busy core slow the tiny model many times), torch's own on cuda")
     ap.add_argument("--tokenizer", default="offline:qwen2.5")
+    ap.add_argument("--switch-interval", type=float, help="experiment: the interpreter's switch interval (s) while "
+                    f"the worker serves (default {agents.hf_policy.SERVING_SWITCH_INTERVAL_S})")
+    ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of an idle worker, in gather "
+                    f"windows (default {agents.hf_policy.GATHER_CAP_WINDOWS})")
+    ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
+                    "objects alive then are never scanned again)")
     ap.add_argument("--out", help="write the figures as JSON here")
     return ap.parse_args()
 
@@ -248,6 +258,10 @@ def main():
     if threads:
         torch.set_num_threads(threads)
     _raise_recompile_limit()
+    if args.switch_interval is not None:
+        agents.hf_policy.SERVING_SWITCH_INTERVAL_S = args.switch_interval
+    if args.gather_cap is not None:
+        agents.hf_policy.GATHER_CAP_WINDOWS = args.gather_cap
 
     tokenizer = load_tokenizer(args.tokenizer)
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -260,7 +274,9 @@ def main():
                   transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
                   tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
                   compile=policy.compile_reason,
-                  new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats)
+                  new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
+                  switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
+                  gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
