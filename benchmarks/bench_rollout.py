@@ -245,6 +245,7 @@ def arguments() -> argparse.Namespace:
                     f"the worker serves (default {agents.hf_policy.SERVING_SWITCH_INTERVAL_S})")
     ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of an idle worker, in gather "
                     f"windows (default {agents.hf_policy.GATHER_CAP_WINDOWS})")
+    ap.add_argument("--admit-wait-steps", type=int, help="HFPolicy's admit_wait_steps (default: HFPolicy's own)")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
                     "objects alive then are never scanned again)")
     ap.add_argument("--out", help="write the figures as JSON here")
@@ -269,14 +270,17 @@ def main():
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
     largest = max(args.batch)
     fast_path = {"auto": "auto", "on": True, "off": False}[args.fast_path]
-    policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer), fast_path=fast_path)
+    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
+    policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer), fast_path=fast_path,
+                      **knobs)
     header = dict(command=shlex.join([sys.executable, *sys.argv]), device=device, torch=torch.__version__,
                   transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
                   tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
                   compile=policy.compile_reason,
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
-                  gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze)
+                  gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
+                  admit_wait_steps=policy.admit_wait_steps)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "

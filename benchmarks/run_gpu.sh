@@ -4,8 +4,8 @@
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2
 #   bash benchmarks/run_gpu.sh driver    # 2 GPUs: the rollout driver under the worker's scheduling knobs
-# Results go to $OUT (default benchmarks/results/run); GSM8K is read from $MT_ENV_GSM8K. A folder .whl/ of wheels,
-# when present, is installed first (for machines without PyPI).
+# Results go to $OUT (default benchmarks/results/run; the driver variants keep their JSON in /tmp); GSM8K is read
+# from $MT_ENV_GSM8K. A folder .whl/ of wheels, when present, is installed first (for machines without PyPI).
 set -u
 OUT=${OUT:-benchmarks/results/run}
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor-cache}
@@ -44,13 +44,12 @@ case "${1:-}" in
   driver)
     variant() {  # name, GPU, bench_rollout flags
       CUDA_VISIBLE_DEVICES=$2 timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda \
-        --batch 64 256 --new-tokens 128 --no-hf-static "${@:3}" --out "$OUT/driver_$1.json" > "$OUT/driver_$1.txt" 2>&1
+        --batch 64 256 --new-tokens 128 --no-hf-static "${@:3}" --out "/tmp/driver_$1.json" > "$OUT/driver_$1.txt" 2>&1
       echo "driver $1 rc=$?"
     }
-    { variant base 0; variant switch50us 0 --switch-interval 0.00005
-      variant switch10us_cap100 0 --switch-interval 0.00001 --gather-cap 100; } &
-    { variant cap100 1 --gather-cap 100; variant gcfreeze 1 --gc-freeze
-      variant switch50us_cap100_gc 1 --switch-interval 0.00005 --gather-cap 100 --gc-freeze; } &
+    { variant base 0; variant wait8 0 --admit-wait-steps 8; variant wait32 0 --admit-wait-steps 32; } &
+    { variant wait16 1 --admit-wait-steps 16; variant wait16_switch50us_cap100 1 --admit-wait-steps 16 \
+        --switch-interval 0.00005 --gather-cap 100; variant wait64 1 --admit-wait-steps 64; } &
     wait
     for f in "$OUT"/driver_*.txt; do echo "== $f"; grep -A12 "^batch" "$f" | grep -v Warn; tail -2 "$f"; done ;;
   *) echo "usage: bash benchmarks/run_gpu.sh single|scaling|fsdp|driver" >&2; exit 2 ;;

@@ -31,7 +31,8 @@ from agents.policy import GenerationError, PolicyError, SamplingParams
 
 from .test_policy_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
-FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False)
+#: the fast path, uncompiled (Inductor has its own tests), requests admitted at the next step (the pass counts)
+FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False, admit_wait_steps=0)
 DEFAULT_FAST = dict(fast_path=True)  #: as HFPolicy runs it by default: on CUDA compiled and in CUDA graphs
 TRANSFORMERS = dict(fast_path=False)
 LOGPROB_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
@@ -119,6 +120,31 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
     alone = [run(generate_together(arch_model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
     assert_same(together, alone)
     assert stats["prefill_passes"] == 5  # every arrival joined the running batch
+
+
+def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_get_alone(model):
+    """With `admit_wait_steps`, requests arriving steps apart while a long row decodes wait (here: until that row
+    ends, the wait being longer) and then share one prefill; the same requests with free slots for all of them
+    waiting are admitted at once. Each row's tokens are those it gets alone."""
+    params = [SamplingParams(temperature=0.9, max_new_tokens=n, seed=i) for i, n in enumerate([60, 5, 17, 3, 25])]
+
+    async def main(max_batch_size, arrivals):
+        async with HFPolicy(model, max_batch_size=max_batch_size, **FAST | dict(admit_wait_steps=10_000)) as policy:
+            tasks = [asyncio.create_task(policy.generate(PROMPTS[0], params[0]))]
+            for p, q in zip(PROMPTS[1:arrivals], params[1:arrivals]):
+                passes = policy.stats["decode_passes"]
+                while policy.stats["decode_passes"] < passes + 1:  # the next one arrives at least a step later
+                    await asyncio.sleep(0.001)
+                tasks.append(asyncio.create_task(policy.generate(p, q)))
+            return await asyncio.gather(*tasks), dict(policy.stats)
+
+    together, stats = run(main(max_batch_size=8, arrivals=5))
+    alone = [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(PROMPTS, params)]
+    assert_same(together, alone)
+    assert stats["prefill_passes"] == 2 and stats["decode_passes"] >= 59 + 24  # the four joined after the first
+    at_once, stats = run(main(max_batch_size=2, arrivals=2))  # one free slot, one waiting: no wait
+    assert_same(at_once, alone[:2])
+    assert stats["prefill_passes"] == 2 and stats["decode_passes"] < 59 + 4
 
 
 def test_compaction_moves_the_last_rows_down_and_keeps_their_outputs(model):
@@ -395,7 +421,8 @@ def test_auto_takes_the_fast_path_on_cuda_only(model):
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(fast_path="yes"), "fast_path"),
-                                             (dict(max_cache_len=1), "max_cache_len")])
+                                             (dict(max_cache_len=1), "max_cache_len"),
+                                             (dict(admit_wait_steps=-1), "admit_wait_steps")])
 def test_bad_fast_path_arguments_are_rejected(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         HFPolicy(model, **kwargs)
