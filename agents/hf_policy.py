@@ -6,9 +6,8 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
 
 * A background thread owns the forward passes. `generate` puts a request on a thread-safe queue and awaits a
   future, so the asyncio event loop never blocks on the model.
-* With no row decoding, the worker takes the first request and gathers more until none arrived for
-  `gather_window_s` (at most `GATHER_CAP_WINDOWS` windows, or until `max_batch_size`): requests that trickle in
-  (episodes whose turns ended together, stepped one after another by the caller) share one prefill.
+* When idle, the worker takes the first request and gathers more until none arrived for `gather_window_s` (at
+  most 25 windows, or until `max_batch_size`): requests that trickle in share one prefill.
 * **Prefill** builds each new row's KV cache and samples its first token; **decode** steps then produce one token
   per row and step. Each row samples with its own `SamplingParams` and its own seeded ``random.Random``, whose
   uniform numbers drive inverse-CDF sampling on the device for the whole batch at once
@@ -500,24 +499,19 @@ class HFPolicy(Policy):
         return True
 
     def _take_requests(self) -> bool:
-        """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do. With
-        no row decoding, requests are gathered (`_gather`) before any is admitted, also when the first of them
-        arrived while the last rows were still decoding. True when close() asks to stop."""
-        if self._decoding():
-            return self._drain()
-        if not self._waiting:
+        """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do. True
+        when close() asks to stop."""
+        if not self._busy():
             self._serving(False)
             item = self._queue.get()
             self._serving(True)
-            if self._accept(item):
-                return True
-        if not self._waiting:  # a call ran
-            return False
-        start = time.perf_counter()
-        try:
-            return self._gather()
-        finally:
-            self.stats["gather_s"] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                if self._accept(item) or (self._waiting and self._gather()):
+                    return True
+            finally:
+                self.stats["gather_s"] += time.perf_counter() - start
+        return self._drain()
 
     def _serving(self, on: bool) -> None:
         """The worker serves (it took work while idle; called again after each scheduling step to bring busy_s up
@@ -530,7 +524,7 @@ class HFPolicy(Policy):
         self._serving_since = now if on else None
 
     def _gather(self) -> bool:
-        """With no row decoding and a first request waiting: take more until none arrived for `gather_window_s`,
+        """With the worker idle and a first request waiting: take more until none arrived for `gather_window_s`,
         the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns
         ended together, processed one after another by the caller) then share one prefill. The window is a real
         wait on the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
@@ -577,11 +571,7 @@ class HFPolicy(Policy):
         return held + ([r for _, r in self._slots.occupied()] if self._slots is not None else [])
 
     def _busy(self) -> bool:
-        return bool(self._waiting or self._decoding())
-
-    def _decoding(self) -> bool:
-        """Rows are being decoded (or a launched step is uncollected)."""
-        return bool(self._batches or self._in_flight is not None
+        return bool(self._batches or self._waiting or self._in_flight is not None
                     or (self._slots is not None and self._slots.held_count()))
 
     def _everyone(self) -> list[_Request]:

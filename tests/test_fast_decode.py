@@ -147,27 +147,6 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
     assert stats["prefill_passes"] == 2 and stats["decode_passes"] < 59 + 4
 
 
-def test_a_request_waiting_when_the_last_row_ends_is_gathered_with_those_arriving_after():
-    """B arrives while A decodes and waits for admission; C is sent once A has ended. With no row decoding the
-    worker gathers before admitting, so B and C share one prefill (B alone, then C, would be two)."""
-    params = [SamplingParams(temperature=0.9, max_new_tokens=n, seed=i) for i, n in enumerate([30, 6, 9])]
-
-    async def main():
-        async with HFPolicy(tiny_model(), gather_window_s=1.0, **FAST | dict(admit_wait_steps=10_000)) as policy:
-            a = asyncio.create_task(policy.generate(PROMPTS[0], params[0]))
-            while policy.stats["decode_passes"] < 2:
-                await asyncio.sleep(0.001)
-            b = asyncio.create_task(policy.generate(PROMPTS[1], params[1]))
-            first = await a
-            c = await policy.generate(PROMPTS[2], params[2])
-            return [first, await b, c], dict(policy.stats)
-
-    gens, stats = run(main())
-    alone = [run(generate_together(tiny_model(), [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(PROMPTS, params)]
-    assert_same(gens, alone)
-    assert stats["prefill_passes"] == 2
-
-
 def test_compaction_moves_the_last_rows_down_and_keeps_their_outputs(model):
     """Eight rows fill slots 0-7 (the longest prompts last); the six in slots 0-5 end after two tokens, so the two
     left move to slots 0-1 and decode in a batch of 2 instead of 8 padded rows."""
