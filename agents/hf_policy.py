@@ -245,10 +245,10 @@ class HFPolicy(Policy):
             steps on the device's critical path). The tokens are the same either way.
         admit_wait_steps: fast path only: requests that arrive while rows decode wait up to this many decode steps
             (or until no row decodes, or the waiting fill the free slots) before their prefill, so that arrivals
-            spread over a few steps share one prefill pass instead of stalling the running rows once each (the
-            rollout driver's turn boundaries: on an H200, 8 took the driver from 0.65x to 0.71x the engine at 64
-            episodes, `benchmarks/bench_rollout.py`). 0: admitted at the next step boundary. The tokens are the
-            same either way.
+            spread over a few steps share one prefill pass instead of stalling the running rows once each. 0 (the
+            default): admitted at the next step boundary. On an H200, 8 took the rollout driver from 0.65x to
+            0.71x the engine at 64 episodes (`benchmarks/bench_rollout.py --admit-wait-steps 8`), but it has not
+            been through the full GPU checks yet. The tokens are the same either way.
     """
 
     def __init__(
@@ -266,7 +266,7 @@ class HFPolicy(Policy):
         compile: bool | str = "auto",
         max_cache_len: int | None = None,
         overlap_steps: bool = True,
-        admit_wait_steps: int = 8,
+        admit_wait_steps: int = 0,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")

@@ -31,8 +31,7 @@ from agents.policy import GenerationError, PolicyError, SamplingParams
 
 from .test_policy_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
-#: the fast path, uncompiled (Inductor has its own tests), requests admitted at the next step (the pass counts)
-FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False, admit_wait_steps=0)
+FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False)
 DEFAULT_FAST = dict(fast_path=True)  #: as HFPolicy runs it by default: on CUDA compiled and in CUDA graphs
 TRANSFORMERS = dict(fast_path=False)
 LOGPROB_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
