@@ -110,3 +110,45 @@ def test_two_process_ddp_on_cpu(tmp_path):
 
     model = AutoModelForCausalLM.from_pretrained(out)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoints.policy_state_dict(found.path).items())
+
+
+# --------------------------------------------------------------------------------------------- old logprobs
+def _update_once(minibatch_size: int, take_old_from_update: bool):
+    """One `update` of a tiny fp32 model on a fixed batch of 6 rows; returns (parameters after, metrics, whether
+    `single_update` holds)."""
+    from accelerate import Accelerator
+
+    from benchmarks.bench_update import batch_from_lengths
+    from trainers.config import load_config
+    from trainers.modeling import PolicyModel, build_causal_lm
+    from trainers.ppo import Models, score, single_update, update
+
+    accelerator = Accelerator(cpu=True)
+    lm = build_causal_lm(config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+                         vocab_size=300, seed=0)
+    policy = PolicyModel(lm)
+    models = Models(policy, torch.optim.SGD(policy.parameters(), lr=1.0), scheduler=None)
+    cfg = load_config("quickstart.yaml", [f"trainer.minibatch_size={minibatch_size}", "trainer.micro_batch_size=4",
+                                          "algorithm.tis_cap=2.0", "env.budget.max_response_tokens=24"])
+    batch = batch_from_lengths([5, 9, 3, 7, 4, 8], [12, 6, 20, 9, 15, 11], 300, "cpu", seed=1)
+    single = single_update(batch, accelerator, cfg)
+    batch, seconds = score(batch.replace(old_logprobs=None, ref_logprobs=None), models, cfg,
+                           old=not take_old_from_update)
+    metrics = update(batch, models, accelerator, cfg, step=1)
+    return [p.detach().clone() for p in policy.parameters()], {**metrics, **seconds}, single
+
+
+def test_one_optimizer_step_takes_the_old_logprobs_from_the_update_and_changes_nothing():
+    """One epoch, one mini-batch: the update's own logprobs (detached) serve as the old ones, so that pass is
+    skipped; the update is the one made after a separate old-logprob pass (fp32: ratio 1 either way), and the
+    rollout/trainer mismatch is still measured. With two mini-batches the second is off-policy: the pass runs."""
+    with_pass, metrics_pass, single = _update_once(minibatch_size=8, take_old_from_update=False)
+    reused, metrics_reused, _ = _update_once(minibatch_size=8, take_old_from_update=True)
+    assert single
+    assert "perf/old_logprob_s" in metrics_pass and "perf/old_logprob_s" not in metrics_reused
+    assert max(float((a - b).abs().max()) for a, b in zip(with_pass, reused)) < 1e-5
+    assert metrics_reused["mismatch/logprob_abs_max"] > 0  # measured on the update's logprobs
+    assert metrics_reused["actor/ratio_mean"] == pytest.approx(1.0)
+    _, _, two_minibatches = _update_once(minibatch_size=4, take_old_from_update=False)
+    assert not two_minibatches

@@ -14,7 +14,8 @@ One training step (`main`, after `build` made the run):
    their conversations become samples, collated into one `TrainBatch` whose ``loss_mask`` is 1 exactly on the
    tokens the model sampled. That mask keeps its name and layout down to the loss.
 2. **old / reference logprobs, values** — recomputed by the trainer on those exact ids (and compared with the
-   engine's own logprobs: the rollout/trainer mismatch).
+   engine's own logprobs: the rollout/trainer mismatch). When the update is one optimizer step over the whole
+   batch, the old logprobs are the update's own, detached (`single_update`): the same values, one pass fewer.
 3. **rewards** — each turn's tool reward on its last sampled token, the final reward on the last one; optionally
    minus a KL penalty to the reference model.
 4. **advantages** — GRPO: the episode's return normalised within its group of ``n`` samples of one task; PPO: GAE
@@ -105,13 +106,15 @@ def main(argv=None) -> dict:
             batch = collate(result.samples, run.tokenizer.pad_token_id).to(acc.device)
 
             # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
-            batch, score_times = score(batch, run.models, cfg)
-            metrics.update(logprob_mismatch(batch), **score_times)
+            reuse = single_update(batch, acc, cfg)  # then the update's own logprobs are the old ones
+            batch, score_times = score(batch, run.models, cfg, old=not reuse)
+            metrics.update(score_times, **({} if reuse else logprob_mismatch(batch)))
 
             # 3. REWARDS and 4. ADVANTAGES
             batch, advantage_stats = estimate_advantages(batch, cfg)
             metrics.update(advantage_stats)
-            if not all(torch.isfinite(x[batch.loss_mask > 0]).all() for x in (batch.old_logprobs, batch.advantages)):
+            if not all(torch.isfinite(x[batch.loss_mask > 0]).all()
+                       for x in (batch.old_logprobs, batch.advantages) if x is not None):
                 run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages")
                 run.state.step = step
                 continue
@@ -293,9 +296,10 @@ def forward(model, mb: TrainBatch, cfg: Config, critic: bool = False, with_entro
 
 
 @torch.no_grad()
-def score(batch: TrainBatch, models: Models, cfg: Config) -> tuple[TrainBatch, dict]:
-    """The batch with the policy's logprobs before the update (`old_logprobs`), the reference's and the critic's
-    values on its exact ids, computed in micro-batches; and each pass's seconds (``perf/<pass>_s``)."""
+def score(batch: TrainBatch, models: Models, cfg: Config, old: bool = True) -> tuple[TrainBatch, dict]:
+    """The batch with the policy's logprobs before the update (`old_logprobs`; with `old` False, None: the update
+    takes its own), the reference's and the critic's values on its exact ids, computed in micro-batches; and each
+    pass's seconds (``perf/<pass>_s``)."""
     rows = torch.arange(len(batch), device=batch.input_ids.device)
     chunks = list(rows.split(cfg.trainer.micro_batch_size))
     # under FSDP every forward pass all-gathers: a process with fewer chunks runs one-row passes it discards
@@ -311,7 +315,7 @@ def score(batch: TrainBatch, models: Models, cfg: Config) -> tuple[TrainBatch, d
         seconds[f"perf/{name}_s"] = time.perf_counter() - start
         return out
 
-    batch = batch.replace(old_logprobs=each("old_logprob", models.policy),
+    batch = batch.replace(old_logprobs=each("old_logprob", models.policy) if old else None,
                           ref_logprobs=each("ref", models.reference) if models.reference is not None else None,
                           values=each("values", models.critic, critic=True) if models.critic is not None else None)
     return batch, seconds
@@ -338,10 +342,22 @@ def estimate_advantages(batch: TrainBatch, cfg: Config) -> tuple[TrainBatch, dic
     return batch.replace(advantages=advantages, returns=returns), stats
 
 
+def single_update(batch: TrainBatch, accelerator: Accelerator, cfg: Config) -> bool:
+    """Whether the update is one optimizer step over the whole batch (one epoch, one global mini-batch) and nothing
+    needs the old logprobs before it (no KL penalty in the reward). The policy is then unchanged between the old
+    logprobs' pass and the update's forward, so the update's own logprobs, detached, are the old ones: ratio 1, the
+    on-policy gradient, one forward pass fewer (TRL's GRPO does the same with ``num_iterations=1``)."""
+    a = cfg.algorithm
+    kl_in_reward = a.kl_mode == "reward" and a.name != "grpo"  # `estimate_advantages` reads old_logprobs
+    return cfg.trainer.epochs == 1 and not kl_in_reward and minibatch_count(len(batch), accelerator, cfg) == 1
+
+
 def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Config, step: int) -> dict:
     """The masked, clipped PPO update: `epochs` passes of shuffled mini-batches, one optimizer step each, its
-    gradient accumulated over micro-batches."""
+    gradient accumulated over micro-batches. Without `batch.old_logprobs` (`single_update`) the update's own
+    logprobs are the old ones; the rollout/trainer mismatch is then measured on them."""
     stats: dict[str, list] = {}
+    seen = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) if batch.old_logprobs is None else None
     token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
     models.policy.train()
@@ -353,8 +369,10 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
             for k, (rows, weight) in enumerate(minibatch.micro):
                 last = k == len(minibatch.micro) - 1
                 with contextlib.nullcontext() if last else accelerator.no_sync(models.policy):
-                    loss, terms, token_stats = ppo_loss(batch[rows], models, cfg, minibatch.norms, weight)
+                    loss, terms, token_stats, logprobs = ppo_loss(batch[rows], models, cfg, minibatch.norms, weight)
                     finite = finite and bool(torch.isfinite(loss))
+                    if seen is not None and weight:
+                        seen[rows] = logprobs.float()
                     accelerator.backward(loss)
                 for key, value in terms.items():  # each micro-batch's share of the mini-batch loss, scaled up
                     _add(stats, key, value * len(minibatch.micro))
@@ -375,21 +393,23 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["actor/skipped_updates"] = float(sum(stats.get("actor/skipped_updates", [0.0])))
     out["actor/mini_batches"] = float(optimizer_steps)
-    return {**out, **_token_means(accelerator, token_sums, tokens)}
+    mismatch = logprob_mismatch(batch.replace(old_logprobs=seen)) if seen is not None else {}
+    return {**out, **_token_means(accelerator, token_sums, tokens), **mismatch}
 
 
 def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: float = 1.0):
     """The loss of one micro-batch, as in CleanRL: clipped policy loss − entropy bonus + KL penalty + value loss
     (terms that are off are 0). Reduced with the mini-batch's global normalisers (`norms`), so micro-batch losses
-    add up to the mini-batch loss; `weight` 0 runs an empty slot without effect. Returns (loss, the loss terms,
-    per-token statistics)."""
+    add up to the mini-batch loss; `weight` 0 runs an empty slot without effect. Without `mb.old_logprobs` the
+    policy's own logprobs, detached, are the old ones. Returns (loss, the loss terms, per-token statistics, the
+    logprobs detached)."""
     a = cfg.algorithm
     loss_mask = mb.loss_mask * weight
     aggregate = functools.partial(algos.aggregate, loss_mask=loss_mask, mode=a.loss_agg, **norms)
     logprobs, entropy = forward(models.policy, mb, cfg, with_entropy=a.entropy_coef > 0)
-    is_weights = (algos.truncated_is_weights(mb.old_logprobs, mb.rollout_logprobs, a.tis_cap) if a.tis_cap
-                  else None)
-    pg_loss, stats = algos.policy_loss(logprobs, mb.old_logprobs, mb.advantages, loss_mask, a.clip_low, a.clip_high,
+    old = mb.old_logprobs if mb.old_logprobs is not None else logprobs.detach()
+    is_weights = algos.truncated_is_weights(old, mb.rollout_logprobs, a.tis_cap) if a.tis_cap else None
+    pg_loss, stats = algos.policy_loss(logprobs, old, mb.advantages, loss_mask, a.clip_low, a.clip_high,
                                        a.dual_clip, a.loss_agg, is_weights, **norms)
     if is_weights is not None:
         stats["actor/tis_weight_mean"] = algos.masked_mean(is_weights, loss_mask).item()
@@ -406,7 +426,7 @@ def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: f
     zero = pg_loss.new_zeros(())
     entropy_bonus, kl, value_loss = (terms.get(k, zero) for k in ("actor/entropy", "actor/kl_ref", "critic/loss"))
     loss = pg_loss - a.entropy_coef * entropy_bonus + a.kl_coef * kl + a.value_coef * value_loss
-    return loss, {k: v.item() for k, v in terms.items()}, stats
+    return loss, {k: v.item() for k, v in terms.items()}, stats, logprobs.detach()
 
 
 @dataclass
@@ -422,7 +442,7 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
     up), and each process divides its loss by the global mini-batch's counts / processes — DDP averages the
     gradients, so the result is exactly the gradient of the global mini-batch loss."""
     t, world = cfg.trainer, accelerator.num_processes
-    n_mini = int(_global(accelerator, max(1, math.ceil(len(batch) / (t.minibatch_size // world))), "max"))
+    n_mini = minibatch_count(len(batch), accelerator, cfg)
     order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
     splits = order.tensor_split(n_mini)
     micro = [list(rows.split(t.micro_batch_size)) or [rows] for rows in splits]
@@ -437,6 +457,12 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
                  "constant": cfg.env.budget.max_response_tokens}
         padded = micro[k] + [rows[:0]] * (int(slots[k]) - len(micro[k]))
         yield MiniBatch([(m, 1.0) if m.numel() else (order[:1], 0.0) for m in padded], norms)
+
+
+def minibatch_count(rows: int, accelerator: Accelerator, cfg: Config) -> int:
+    """Mini-batches per epoch: the most any process needs for its `rows` (all run as many, see `minibatches`)."""
+    share = cfg.trainer.minibatch_size // accelerator.num_processes
+    return int(_global(accelerator, max(1, math.ceil(rows / share)), "max"))
 
 
 def logprob_mismatch(batch: TrainBatch) -> dict:
