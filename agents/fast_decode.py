@@ -497,7 +497,7 @@ class SlotEngine:
         if self._state is not None:
             return
         self.check_module(busy=False)
-        device, dtype, lay, n = _module_device(self.model), _kv_dtype(self.layout), self.layout, self.max_slots
+        device, dtype, lay, n = module_device(self.model), _kv_dtype(self.layout), self.layout, self.max_slots
         shape = (n, lay.kv_heads, self.max_cache_len, lay.head_dim)
         try:
             keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in lay.layers]
@@ -756,8 +756,9 @@ class SlotEngine:
 
 
 # --------------------------------------------------------------------------------------------- helpers
-def _module_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
+def module_device(model: nn.Module) -> torch.device:
+    """Where the module's parameters are (CPU for a module without any)."""
+    return next(model.parameters(), torch.empty(0)).device
 
 
 def _kv_dtype(layout: DecoderLayout) -> torch.dtype:
@@ -766,7 +767,7 @@ def _kv_dtype(layout: DecoderLayout) -> torch.dtype:
 
 def _module_key(model: nn.Module, layout: DecoderLayout) -> tuple:
     addresses = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
-    return _module_device(model), _kv_dtype(layout), addresses
+    return module_device(model), _kv_dtype(layout), addresses
 
 
 @contextlib.contextmanager

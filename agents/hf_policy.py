@@ -85,7 +85,8 @@ from torch import nn
 from mt_env.turn import ModelTurn
 
 from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep, RowSampling, SlotEngine,
-                          SlotTable, UnsupportedModel, decoder_layout, prefill_groups, sample_tokens, sampling_mode)
+                          SlotTable, UnsupportedModel, decoder_layout, module_device, prefill_groups, sample_tokens,
+                          sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
@@ -346,7 +347,7 @@ class HFPolicy(Policy):
             if fast_path is True:
                 raise ValueError(f"fast_path=True, but the module cannot take it: {e}") from None
             return None, f"off: {e}"
-        device = _device(self.model)
+        device = module_device(self.model)
         if fast_path == "auto" and device.type != "cuda":
             return None, f"off: the module is on {device.type} (fast_path='auto' takes it on CUDA only)"
         compile_step = compile is True or (compile == "auto" and device.type == "cuda")
@@ -785,7 +786,7 @@ class HFPolicy(Policy):
             self._batches.append(batch)
 
     def _prefill(self, requests: list[_Request]) -> _Batch:
-        device = _device(self.model)
+        device = module_device(self.model)
         self._start(requests)
         width = max(len(r.prompt) for r in requests)
         input_ids = torch.tensor([[self.pad_token_id] * (width - len(r.prompt)) + r.prompt for r in requests],
@@ -944,12 +945,6 @@ def _forward_arguments(model: nn.Module) -> tuple[str, bool]:
     if "past_key_values" in accepted:
         return "past_key_values", "logits_to_keep" in accepted
     raise TypeError(f"{type(model).__name__}.forward takes no KV cache (`cache` / `past_key_values`)")
-
-
-def _device(model: nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
 
 
 def _vocab_size(model: nn.Module) -> int:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import make_models, make_tokenizer  # noqa: E402
+from trainers.tracking import read_metrics  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
 GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
@@ -45,7 +46,7 @@ def run_trainer(args, out_dir: str) -> tuple[list[dict], list[str]]:
     overrides = [f"output_dir={out_dir}", f"trainer.total_steps={args.steps}", "trainer.save_every=0",
                  "trainer.eval_every=0", "eval.episodes=1", "logging.plot=false", *args.set]
     ppo.main(["--config", args.config, *sum((["--set", o] for o in overrides), [])])
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(Path(out_dir) / "metrics.jsonl")
     return [r for r in rows if "perf/step_s" in r], overrides
 
 

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from trainers.checkpoints import scan  # noqa: E402
+from trainers.tracking import read_metrics  # noqa: E402
 
 SMOKE = "gsm8k_smoke_random_0.5b.yaml"
 #: NCCL on machines whose NVLink multicast must stay off
@@ -143,7 +144,7 @@ def step_figures(run_dir: Path, warmup: int) -> dict:
     """Median step time after the warm-up, episodes per step and per second, peak memory, the median of every
     ``perf/`` and ``async/`` metric; and the step rows."""
     path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    rows = read_metrics(path) if path.is_file() else []
     steps = [r for r in rows if "perf/step_s" in r]
     timed = [r for r in steps if r["step"] > warmup] or steps
     if not timed:

@@ -66,8 +66,9 @@ _VERL_FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
 
 def normalize_number(text: Any) -> str | None:
     """The last number in `text`, written canonically and exactly: ``"1,234.50"`` → ``"1234.5"``, ``"72.0"`` →
-    ``"72"``, however many digits; two numbers are equal iff their canonical forms are. None when there is none."""
-    found = _NUMBER.findall(str(text))
+    ``"72"``, however many digits; two numbers are equal iff their canonical forms are. None when there is none. A
+    float (a JSON number) is read with all its digits (``1e+20`` would read as the number 20)."""
+    found = _NUMBER.findall(format(Decimal(repr(text)), "f") if isinstance(text, float) else str(text))
     if not found:
         return None
     value = Decimal(found[-1].replace(",", ""))
@@ -80,11 +81,6 @@ def extract_final_answer(text: str) -> str | None:
     """The number after the last ``####`` in `text`, normalized; None if there is none."""
     found = _ANSWER.findall(text)
     return normalize_number(found[-1]) if found else None
-
-
-def _answer_text(answer: Any) -> str:
-    """A tool argument as text; JSON floats written out in full (``1e+20`` would read as the number 20)."""
-    return format(Decimal(repr(answer)), "f") if isinstance(answer, float) else str(answer)
 
 
 def verl_extract_answer(text: str, method: str = "strict") -> str | None:
@@ -157,7 +153,7 @@ class Gsm8kTool(BaseTool):
 
     def _check_lenient(self, state: dict, answer: Any) -> tuple[str, float, float]:
         """Exact numeric comparison; the penalty when a check after the first does not beat the best so far."""
-        number = normalize_number(_answer_text(answer))
+        number = normalize_number(answer)
         score = 1.0 if number is not None and number == state["truth"] else 0.0
         step_reward = -self.repeat_penalty if state["calls"] and score <= state["best"] else 0.0
         verdict = "correct" if score else "not correct"

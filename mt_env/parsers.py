@@ -103,7 +103,7 @@ class ToolCallParser:
             return [ParseError("too_large", f"the tool call is {len(body)} characters, over the limit of "
                                             f"{self.max_call_chars}", raw)]
         try:
-            obj = json.loads(body, strict=False, parse_constant=_reject_constant)
+            obj = _JSON.decode(body)
         except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
             return [ParseError("malformed_json", f"the tool call is not valid JSON: {shorten(str(e))}", raw)]
         if not isinstance(obj, list):
@@ -143,10 +143,14 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
+#: The JSON reading of tool calls: raw control characters inside strings accepted, NaN and Infinity refused.
+_JSON = json.JSONDecoder(strict=False, parse_constant=_reject_constant)
+
+
 def _json_object(text: str) -> dict | None:
     """`text` decoded when it is a JSON object, else None (a plain string stays a string)."""
     try:
-        value = json.loads(text, strict=False, parse_constant=_reject_constant)
+        value = _JSON.decode(text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
@@ -260,11 +264,10 @@ class Llama3JsonParser(ToolCallParser):
             turn.errors.append(ParseError("too_large", f"the tool calls are {len(body)} characters, over the limit "
                                                        f"of {self.max_call_chars}", body))
             return turn
-        decoder = json.JSONDecoder(strict=False, parse_constant=_reject_constant)
         pos = 0
         while pos < len(body):
             try:
-                obj, end = decoder.raw_decode(body, pos)
+                obj, end = _JSON.raw_decode(body, pos)
             except (ValueError, RecursionError) as e:
                 cut = finish_reason in CUT_FINISH_REASONS and isinstance(e, json.JSONDecodeError) and (
                     e.pos >= len(body) or e.msg.startswith("Unterminated"))

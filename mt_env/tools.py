@@ -390,7 +390,7 @@ class ToolBox:
 
     async def _dispatch(self, call: Any, call_id: str) -> ToolResult:
         if isinstance(call, ParseError):
-            kind = call.kind if call.kind in ("unknown_tool", "invalid_arguments", "too_many_calls") else "parse"
+            kind = call.kind if call.kind in ERROR_KINDS else "parse"  # a parse-level kind reads as "parse"
             tool = self.tools.get(call.name or "")
             return self._failure(call.name or "", call_id, kind, call.message, tool)
         try:

@@ -85,8 +85,8 @@ class ToolVectorEnv(VectorEnv):
             raise ResetNeeded(f"envs {np.flatnonzero(self._needs_reset).tolist()} have ended: reset them with "
                               "reset(options={'reset_mask': mask}) first (autoreset_mode is disabled)")
         next_step = self.autoreset_mode == AutoresetMode.NEXT_STEP
-        resetting = np.flatnonzero(self._needs_reset).tolist() if next_step else []
-        stepping = [i for i in range(self.num_envs) if i not in set(resetting)]
+        resetting_mask = self._needs_reset if next_step else np.zeros(self.num_envs, dtype=bool)
+        resetting, stepping = np.flatnonzero(resetting_mask).tolist(), np.flatnonzero(~resetting_mask).tolist()
         reset_results, step_results = self._run(self._reset_and_step(resetting, stepping, actions))
         rewards = np.zeros(self.num_envs)
         terminated = np.zeros(self.num_envs, dtype=bool)

@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,24 +20,15 @@ from trainers.config import ConfigError, load_config
 from trainers.ppo import main as ppo_main
 from trainers.setup import TaskSource
 
-from .conftest import subprocess_env
 from .test_trainer import TINY as TRAINER_TINY
+from .test_trainer import metrics as rows
+from .test_trainer import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [*TRAINER_TINY, "algorithm.entropy_coef=0.01", "threads=1", "trainer.async_rollout=true"]
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="two-process gloo runs tested on Linux")
 
 
-def torchrun(out: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "trainers" / "ppo.py"), "--set", f"output_dir={out}",
-           *[a for o in overrides for a in ("--set", o)]]
-    env = subprocess_env()
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-
-
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 # --------------------------------------------------------------------------------------------- config

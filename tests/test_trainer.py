@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ import pytest
 import torch
 
 from trainers.ppo import main as ppo_main
+from trainers.tracking import read_metrics
 
 from .conftest import subprocess_env
 
@@ -30,7 +30,15 @@ def run(tmp_path, *overrides, steps=2):
 
 
 def metrics(path) -> list[dict]:
-    return [json.loads(line) for line in (Path(path) / "metrics.jsonl").read_text().splitlines()]
+    return read_metrics(Path(path) / "metrics.jsonl")
+
+
+def torchrun(out: Path, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """trainers/ppo.py in 2 processes (gloo on CPU) writing to `out`, with `--set` overrides."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "trainers" / "ppo.py"), "--set", f"output_dir={out}",
+           *[a for o in overrides for a in ("--set", o)]]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(), cwd=ROOT)
 
 
 # --------------------------------------------------------------------------------------------- end to end
@@ -87,11 +95,7 @@ def test_resume_continues_as_if_never_stopped(tmp_path):
 def test_two_process_ddp_on_cpu(tmp_path):
     """The same script under torchrun with 2 processes: DDP over gloo, global batch sizes split between them, and
     metrics combined (counts summed) even when the processes report different keys."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "trainers" / "ppo.py"), "--set", f"output_dir={tmp_path}", "--set", "trainer.total_steps=2",
-           "--set", "threads=1", *[a for o in TINY for a in ("--set", o)]]
-    env = subprocess_env()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    proc = torchrun(tmp_path, "trainer.total_steps=2", "threads=1", *TINY)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [r for r in metrics(tmp_path) if "actor/loss" in r]
     assert len(steps) == 2

@@ -5,7 +5,7 @@ embedded generation engine.
 frequencies — never change, and a broadcast in a no-grad forward would need every process to run as many forward
 passes), and gradients live in DDP's communication buckets (one copy less per step).
 
-**FSDP2** (``accelerate launch --config_file trainers/configs/accelerate_fsdp2.yaml``) shards the policy, its
+**FSDP2** (``accelerate launch --config_file trainers/configs/accelerate/fsdp2.yaml``) shards the policy, its
 gradients and its optimizer state over the processes, so a model whose policy + reference + optimizer state does
 not fit one GPU still trains. The embedded engine generates on the trainer's own module, and each process plays
 different episodes — different numbers of forward passes — so generation cannot run through FSDP's per-layer
@@ -70,6 +70,17 @@ def initialize_root(policy: nn.Module, device: torch.device) -> None:
     ids = torch.zeros(1, 2, dtype=torch.long, device=device)
     with torch.no_grad():
         policy(ids, torch.zeros_like(ids))
+
+
+def across_processes(accelerator, x, op: str) -> float:
+    """`x` (a number on each process) summed, or its min or max, over the processes."""
+    t = torch.as_tensor(x, dtype=torch.float32, device=accelerator.device).reshape(1)
+    if accelerator.num_processes == 1:
+        return float(t)
+    if op == "sum":
+        return float(accelerator.reduce(t, reduction="sum"))
+    gathered = accelerator.gather(t)
+    return float(gathered.min() if op == "min" else gathered.max())
 
 
 def forward_passes_everywhere(count: int, module: nn.Module) -> int:

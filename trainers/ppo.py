@@ -55,8 +55,8 @@ from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
 from trainers.config import Config, load_config
-from trainers.distributed import (FullStateDict, forward_passes_everywhere, frozen_reference, fsdp_sharding,
-                                  initialize_root, peak_memory)
+from trainers.distributed import (FullStateDict, across_processes, forward_passes_everywhere, frozen_reference,
+                                  fsdp_sharding, initialize_root, peak_memory)
 from trainers.modeling import PolicyModel
 from trainers.rollouts import LocalRollouts, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
@@ -95,7 +95,7 @@ def main(argv=None) -> dict:
             result = run.rollouts.play(tasks, n=cfg.rollout.n, step=step)
             metrics = dict(result.metrics, **{"perf/rollout_s": time.perf_counter() - step_start})
             # every process needs trainable tokens for the update's collectives to line up: otherwise all skip it
-            if _global(acc, sum(sum(s.loss_mask()) for s in result.samples), "min") == 0:
+            if across_processes(acc, sum(sum(s.loss_mask()) for s in result.samples), "min") == 0:
                 run.tracker.message(f"step {step}: skipping the update: no trainable tokens ("
                                     f"{metrics['rollout/failed']:.0f} failed, {metrics['rollout/skipped']:.0f} "
                                     f"skipped of {len(result.episodes)} episodes)")
@@ -462,7 +462,7 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
 def minibatch_count(rows: int, accelerator: Accelerator, cfg: Config) -> int:
     """Mini-batches per epoch: the most any process needs for its `rows` (all run as many, see `minibatches`)."""
     share = cfg.trainer.minibatch_size // accelerator.num_processes
-    return int(_global(accelerator, max(1, math.ceil(rows / share)), "max"))
+    return int(across_processes(accelerator, max(1, math.ceil(rows / share)), "max"))
 
 
 def logprob_mismatch(batch: TrainBatch) -> dict:
@@ -573,17 +573,6 @@ def _token_means(accelerator, sums: dict[str, float], tokens: float) -> dict[str
     if accelerator.num_processes > 1:
         t = accelerator.reduce(t, reduction="sum")
     return {k: float(v) / max(float(t[-1]), 1.0) for k, v in zip(keys, t[:-1])}
-
-
-def _global(accelerator, x, op: str) -> float:
-    """`x` (a number on each process) summed, or its min or max, over the processes."""
-    t = torch.as_tensor(x, dtype=torch.float32, device=accelerator.device).reshape(1)
-    if accelerator.num_processes == 1:
-        return float(t)
-    if op == "sum":
-        return float(accelerator.reduce(t, reduction="sum"))
-    gathered = accelerator.gather(t)
-    return float(gathered.min() if op == "min" else gathered.max())
 
 
 def _out_of_time(cfg: Config, start: float) -> bool:

@@ -52,7 +52,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
 def _check_fsdp(cfg: Config, accelerator: Accelerator) -> None:
     if not accelerator.is_fsdp2:
         raise ConfigError("FSDP1 cannot gather the policy for the embedded engine: set fsdp_version: 2 in the "
-                          "accelerate config (trainers/configs/accelerate_fsdp2.yaml)")
+                          "accelerate config (trainers/configs/accelerate/fsdp2.yaml)")
     if cfg.algorithm.name == "ppo":
         raise ConfigError("FSDP2 shards one model per run here, and PPO trains a critic too: use GRPO with FSDP, or "
                           "DDP for PPO")

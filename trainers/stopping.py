@@ -53,11 +53,9 @@ class StopRequested:
 
     def agreed(self, accelerator) -> bool:
         """Whether any process was asked to stop; all processes call this at the same step boundary."""
-        if accelerator.num_processes > 1:
-            import torch
+        from .distributed import across_processes  # torch only where a run needs it
 
-            mine = torch.tensor([float(self.signum or 0)], device=accelerator.device)
-            self.signum = int(accelerator.gather(mine).max()) or None
+        self.signum = int(across_processes(accelerator, self.signum or 0, "max")) or None
         return self.signum is not None
 
     @property
