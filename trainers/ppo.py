@@ -113,8 +113,9 @@ def main(argv=None) -> dict:
             # 3. REWARDS and 4. ADVANTAGES
             batch, advantage_stats = estimate_advantages(batch, cfg)
             metrics.update(advantage_stats)
-            if not all(torch.isfinite(x[batch.loss_mask > 0]).all()
-                       for x in (batch.old_logprobs, batch.advantages) if x is not None):
+            finite = all(bool(torch.isfinite(x[batch.loss_mask > 0]).all())
+                         for x in (batch.old_logprobs, batch.advantages) if x is not None)
+            if across_processes(acc, float(finite), "min") == 0:  # all skip together: the update's collectives
                 run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages")
                 run.state.step = step
                 continue
