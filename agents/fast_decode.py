@@ -20,9 +20,10 @@ optimizer step the next token sees the new weights) through its own layer loop:
   re-padded. `SlotTable` (host side) hands out the lowest free slots and, when the rows left would fit a smaller
   batch bucket, plans moves of the few rows above it into free slots below it (`SlotEngine.move` copies only
   those rows' KV).
-* **Prefill** is eager: prompts right-padded into one tensor, causal attention (right padding keeps real tokens
-  from seeing padding; the padding's own K/V land beyond each row's length, where they are masked and later
-  overwritten), K/V written straight into the rows' slots, the LM head only at each row's last real position.
+* **Prefill** (`prefill_layer` per layer, then `head_logits`; compiled on CUDA like the decode step, not captured):
+  prompts right-padded into one tensor, causal attention (right padding keeps real tokens from seeing padding; the
+  padding's own K/V land beyond each row's length, where they are masked and later overwritten), K/V written
+  straight into the rows' slots, the LM head only at each row's last real position.
 * **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_logits`, then
   `sample_tokens`; run eagerly or captured): the new token's K/V are written in place at each row's own position;
   attention without expanding K/V — the query heads of one KV head are laid out as that head's query positions
@@ -296,7 +297,28 @@ def head_logits(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, vocab: int
     return lm_head(norm(x))[:, 0, :vocab].float()
 
 
+def prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, apply_rope: Callable, qk_norm: bool) -> torch.Tensor:
+    """One decoder layer over whole prompts [rows, width, hidden], right-padded: K/V written in place into the rows'
+    `slots` at positions [0, width), causal attention (a real token never sees the padding after it), the MLP.
+    Compiled, a prefill pass launches a few fused kernels per layer instead of ~40 eager ones: a pass of a few rows
+    then costs milliseconds, not the tens of milliseconds the eager launches took while every decoding row waited."""
+    attn, (rows, width) = layer.self_attn, x.shape[:2]
+    q, k, v = attention_inputs(attn, layer.input_layernorm(x), cos, sin, apply_rope, qk_norm)
+    at = (slots[:, None, None], torch.arange(k.shape[1], device=x.device)[None, :, None],
+          torch.arange(width, device=x.device)[None, None, :])
+    keys.index_put_(at, k)  # in place on the whole cache, as in `decode_layer`
+    values.index_put_(at, v)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 STEP_FUNCTIONS = (step_inputs, decode_layer, head_logits)
+#: every function the engine compiles: the decode step's and the prefill's layer (`head_logits` serves both)
+COMPILED_FUNCTIONS = (*STEP_FUNCTIONS, prefill_layer)
 
 
 # --------------------------------------------------------------------------------------------- slot bookkeeping
@@ -468,7 +490,8 @@ class SlotEngine:
         for key in ("graph_captures", "graph_replays", "module_reallocations", "compilations", "compile_s",
                     "capture_failures"):
             self.stats.setdefault(key, 0)
-        self._step_functions = tuple(compiled(fn) for fn in STEP_FUNCTIONS) if compile else STEP_FUNCTIONS
+        self._functions = {fn.__name__: compiled(fn) if compile else fn for fn in COMPILED_FUNCTIONS}
+        self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
         self._state: _SlotState | None = None
         self._graphs: dict[tuple[int, int, str], Any] = {}
@@ -589,7 +612,7 @@ class SlotEngine:
     # ------------------------------------------------------------------------------------- passes
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 sampling: RowSampling) -> tuple[list[int], list[float]]:
-        """Prefill `prompts` into `slots` (one eager pass), sample each row's first token; returns the tokens and
+        """Prefill `prompts` into `slots` (one pass), sample each row's first token; returns the tokens and
         their logprobs. The slots then feed those tokens at the prompts' lengths."""
         self.allocate()
         s, lay = self._state, self.layout
@@ -603,17 +626,12 @@ class SlotEngine:
         index = torch.tensor(list(slots), dtype=torch.long).to(device)
         x = lay.embed(ids)
         cos, sin = lay.rotary(x, torch.arange(width, device=device)[None, :].expand(n, width))
-        for layer, keys, values in zip(lay.layers, s.keys, s.values):
-            q, k, v = attention_inputs(layer.self_attn, layer.input_layernorm(x), cos, sin, lay.apply_rope,
-                                       lay.qk_norm)
-            keys[:, :, :width].index_copy_(0, index, k)
-            values[:, :, :width].index_copy_(0, index, v)
-            k, v = k.repeat_interleave(lay.groups, dim=1), v.repeat_interleave(lay.groups, dim=1)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=lay.scaling)
-            x = x + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(n, width, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        last = x[torch.arange(n, device=device), lengths - 1]
-        logits = lay.lm_head(lay.norm(last))[:, :self.vocab_size].float()
+        layer_fn, head = self._functions["prefill_layer"], self._functions["head_logits"]
+        with self._compilations_counted():
+            for layer, keys, values in zip(lay.layers, s.keys, s.values):
+                x = layer_fn(layer, x, cos, sin, index, keys, values, lay.apply_rope, lay.qk_norm)
+            last = x[torch.arange(n, device=device)[:, None], (lengths - 1)[:, None]]  # [n, 1, hidden], not a view
+            logits = head(lay.norm, lay.lm_head, last, self.vocab_size)
         temperature, uniform, top_k, top_p = sampling.tensors(device)
         tokens, logprobs = sample_tokens(logits, temperature, uniform, top_k, top_p, sampling.mode)
         for buffer, value in zip(s.per_slot, (tokens, lengths, torch.ones_like(tokens, dtype=torch.bool),
@@ -623,13 +641,14 @@ class SlotEngine:
 
     @property
     def compile_reason(self) -> str:
-        """Whether the decode step runs compiled, and why not where it does not."""
-        if self._step_functions is STEP_FUNCTIONS:
-            return "off: eager decode step"
-        failures = [fn.failure for fn in self._step_functions if fn.failure]
+        """Whether the decode step and the prefill run compiled, and why not where they do not."""
+        functions = list(self._functions.values())
+        if functions == list(COMPILED_FUNCTIONS):
+            return "off: eager decode step and prefill"
+        failures = [fn.failure for fn in functions if fn.failure]
         if not failures:
-            return "on: decode step compiled by Inductor"
-        return f"{'off' if len(failures) == len(STEP_FUNCTIONS) else 'partly off'}: {'; '.join(failures)}"
+            return "on: decode step and prefill compiled by Inductor"
+        return f"{'off' if len(failures) == len(functions) else 'partly off'}: {'; '.join(failures)}"
 
     def launch(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> LaunchedStep:
         """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding),
@@ -681,9 +700,15 @@ class SlotEngine:
 
     def _run_decode(self, rows: int, length: int, mode: str) -> None:
         """`_decode` outside a capture, adding the compilations it triggers to `stats`."""
+        with self._compilations_counted():
+            self._decode(rows, length, mode)
+
+    @contextlib.contextmanager
+    def _compilations_counted(self):
+        """Add the compilations (and their seconds) made inside the block to `stats`."""
         before = dict(COMPILE_COUNTS)
         try:
-            self._decode(rows, length, mode)
+            yield
         finally:
             self.stats["compilations"] += COMPILE_COUNTS["compilations"] - before["compilations"]
             self.stats["compile_s"] += COMPILE_COUNTS["compile_s"] - before["compile_s"]
