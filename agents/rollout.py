@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -192,10 +192,21 @@ class RolloutDriver:
 
     async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
         """Play every task `n` times (groups of `n` for GRPO), all concurrently; returns records and metrics."""
-        if n < 1:
-            raise ValueError("n must be >= 1")
         sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
-        ids = [EpisodeId(g, i) for g in range(len(tasks)) for i in range(n)]
+        progress = _Progress(len(tasks) * n) if self.progress else None
+        start = time.perf_counter()
+        try:
+            records, spent = await self.play(tasks, episode_ids(len(tasks), n), step, sampling, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        return rollout_result(records, time.perf_counter() - start, spent)
+
+    async def play(self, tasks: Sequence[dict] | Mapping[int, dict], ids: Sequence[EpisodeId], step: int,
+                   sampling: SamplingParams, on_finished: Callable[[EpisodeRecord], None] | None = None
+                   ) -> tuple[list[EpisodeRecord], Counter]:
+        """Play the episodes `ids` (episode ``(g, i)`` plays ``tasks[g]``) concurrently; returns their records, in
+        the order of `ids`, and the wall-time split (`_Activity`). `on_finished` is told of each episode as it ends."""
         records = [EpisodeRecord(id=e) for e in ids]
         for r in records:
             r.enter(EpisodeState.PENDING)
@@ -204,7 +215,6 @@ class RolloutDriver:
             free.put_nowait(env)
         clock = _Activity()
         start = time.perf_counter()
-        bar = _progress_bar(len(records)) if self.progress else None
 
         async def one(record: EpisodeRecord) -> None:
             env = await self._acquire(free)
@@ -213,9 +223,8 @@ class RolloutDriver:
             finally:
                 record.finished_at = time.perf_counter() - start
                 free.put_nowait(env)
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(success=f"{sum(r.success for r in records) / max(1, bar.n):.2f}")
+                if on_finished is not None:
+                    on_finished(record)
 
         try:
             async with asyncio.TaskGroup() as group:
@@ -225,15 +234,9 @@ class RolloutDriver:
             dead = eg.subgroup(PolicyError)
             raise (dead or eg).exceptions[0] from None
         finally:
-            if bar is not None:
-                bar.close()
             self._pool = [free.get_nowait() for _ in range(free.qsize())]
         clock._tick()
-        wall = time.perf_counter() - start
-        for k, record in enumerate(records):  # the driver knows which samples belong together: it tags them
-            for sample in record.samples:
-                sample.group, sample.episode = record.id.group, k
-        return RolloutResult(records, _metrics(records, wall, clock.spent))
+        return records, clock.spent
 
     def close(self) -> None:
         for env in self._pool:
@@ -320,11 +323,40 @@ def _seed(base: int, step: int, episode: EpisodeId) -> int:
     return int.from_bytes(digest, "little") % 2**63
 
 
-def _progress_bar(total: int):
-    from tqdm.auto import tqdm
+def episode_ids(groups: int, n: int) -> list[EpisodeId]:
+    """The episodes of a rollout of `groups` tasks played `n` times each, in the order of its records."""
+    if n < 1:
+        raise ValueError("n must be >= 1")
+    return [EpisodeId(g, i) for g in range(groups) for i in range(n)]
 
-    return tqdm(total=total, desc="rollout", unit="ep", leave=False, dynamic_ncols=True, mininterval=1.0,
-                disable=None)  # None: no bar when the output is not a terminal (logs, CI)
+
+def rollout_result(records: list[EpisodeRecord], wall: float, spent: Counter) -> RolloutResult:
+    """The rollout's result: its samples tagged with their group and episode (the driver alone knows which samples
+    belong together), and its metrics."""
+    for k, record in enumerate(records):
+        for sample in record.samples:
+            sample.group, sample.episode = record.id.group, k
+    return RolloutResult(records, _metrics(records, wall, spent))
+
+
+class _Progress:
+    """A progress bar over episodes, with the share of the finished ones that succeeded (a callable for
+    `RolloutDriver.play`'s `on_finished`)."""
+
+    def __init__(self, total: int):
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, desc="rollout", unit="ep", leave=False, dynamic_ncols=True, mininterval=1.0,
+                        disable=None)  # None: no bar when the output is not a terminal (logs, CI)
+        self.successes = 0
+
+    def __call__(self, record: EpisodeRecord) -> None:
+        self.successes += record.success
+        self.bar.update(1)
+        self.bar.set_postfix(success=f"{self.successes / self.bar.n:.2f}")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 def _mean(xs) -> float:

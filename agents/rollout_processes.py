@@ -1,0 +1,310 @@
+"""Rollouts whose env work runs in processes of its own, beside an engine in this process.
+
+An episode's env work — parsing a turn, running its tools, rendering and encoding the template delta, building the
+training samples — is Python, and in one process it shares one interpreter lock with the embedded engine's worker
+thread: while the event loop steps hundreds of envs, the engine waits to launch its next step, and the episodes'
+work at a turn boundary (when many turns end together) is done one after another. `ProcessRolloutDriver` splits the
+episodes over `processes` env processes, each running a `RolloutDriver` over its share with the envs it owns; their
+policy is a `RemotePolicy` that sends each turn's context ids here, where the real policy (e.g. `HFPolicy`, which
+needs the trainer's module) generates and the ModelTurn goes back. This process then only forwards token ids.
+
+What stays the same as one `RolloutDriver` with the same seed: every episode's seed, sampling seeds, records,
+samples and metrics (the engine's tokens depend only on each request's own seed), the failure rules (an episode
+that fails is kept, untrainable; a `PolicyError` — the engine died — fails the whole rollout), generation timeouts
+and cancellation. Differences: the env must be picklable by cloudpickle (a registered Gymnasium id, a class, a
+function or lambda that builds one); `time/*` is the mean of the processes' splits; and a process that dies fails
+the rollout with its exit code (the processes are started again by the next rollout).
+
+Processes are started on first use (``spawn``: nothing of this process's threads or CUDA state is inherited) and
+live until `close`; each keeps its envs between rollouts, as `RolloutDriver` keeps its pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import multiprocessing
+import pickle
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import cloudpickle
+import gymnasium as gym
+
+from mt_env.turn import ModelTurn
+
+from .policy import Policy, SamplingParams
+from .rollout import (EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, _Progress, episode_ids,
+                      rollout_result)
+
+
+class EnvProcessError(RuntimeError):
+    """An env process died or could not run its share of a rollout."""
+
+
+@dataclass
+class _DriverSpec:
+    """What each env process builds its `RolloutDriver` from (sent once, by cloudpickle)."""
+
+    env: Callable[[], gym.Env] | str
+    env_kwargs: dict | None
+    sampling: SamplingParams
+    max_concurrency: int
+    generation_timeout_s: float | None
+    seed: int
+
+
+class ProcessRolloutDriver:
+    """`RolloutDriver`'s interface (`run`, `arun`, `close`) with the episodes' env work in `processes` processes.
+
+    Args: those of `RolloutDriver`, and
+        processes: env processes (>= 1); the episodes of a rollout are dealt to them in turn.
+        max_concurrency: episodes in flight at once over all processes (each has its share of it).
+    """
+
+    def __init__(self, env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
+                 processes: int, env_kwargs: dict | None = None, max_concurrency: int = 256,
+                 generation_timeout_s: float | None = 600, seed: int = 0, progress: bool = False):
+        if processes < 1:
+            raise ValueError(f"processes must be >= 1, got {processes}")
+        self.policy = policy
+        self.sampling = sampling or SamplingParams()
+        self.processes = processes
+        self.progress = progress
+        per_process = max(1, -(-max_concurrency // processes))
+        self._spec = cloudpickle.dumps(_DriverSpec(env, env_kwargs, self.sampling, per_process,
+                                                   generation_timeout_s, seed))
+        self._workers: list[_EnvProcess] = []
+
+    def run(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
+        """Synchronous `arun` (in a fresh event loop)."""
+        return asyncio.run(self.arun(tasks, n, step, **sampling_overrides))
+
+    async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
+        """Play every task `n` times, the episodes dealt to the env processes; returns what `RolloutDriver.arun`
+        returns for the same arguments."""
+        sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
+        ids = episode_ids(len(tasks), n)
+        shares = [ids[k::self.processes] for k in range(self.processes)]
+        progress = _Progress(len(ids)) if self.progress else None
+        start = time.perf_counter()
+        try:
+            workers = self._started()
+            outcomes = await asyncio.gather(
+                *(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step, sampling, self.policy, progress)
+                  for w, share in zip(workers, shares) if share), return_exceptions=True)
+        finally:
+            if progress is not None:
+                progress.close()
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        if failures:
+            self._stop([w for w in self._workers if not w.idle])  # mid-rollout: their state is unknown
+            raise failures[0]
+        by_id = {r.id: r for records, _ in outcomes for r in records}
+        spent = sum((Counter({k: v / len(outcomes) for k, v in s.items()}) for _, s in outcomes), Counter())
+        return rollout_result([by_id[e] for e in ids], time.perf_counter() - start, spent)
+
+    def close(self) -> None:
+        """Stop the env processes (their envs are closed first)."""
+        self._stop(self._workers)
+
+    def _started(self) -> list[_EnvProcess]:
+        self._workers = [w for w in self._workers if w.alive]
+        while len(self._workers) < self.processes:
+            self._workers.append(_EnvProcess(self._spec, len(self._workers)))
+        return self._workers
+
+    def _stop(self, workers: list[_EnvProcess]) -> None:
+        for w in workers:
+            w.stop()
+        self._workers = [w for w in self._workers if w not in workers]
+
+    def __del__(self):
+        for w in getattr(self, "_workers", []):
+            w.stop(wait=False)
+
+
+class _EnvProcess:
+    """One env process, and this side of its pipe: runs a share of a rollout there and answers its generations."""
+
+    def __init__(self, spec: bytes, index: int):
+        context = multiprocessing.get_context("spawn")
+        self.conn, child = context.Pipe()
+        self.index = index
+        self.process = context.Process(target=_env_process_main, args=(child, spec), name=f"mt_env-envs-{index}",
+                                       daemon=True)
+        self.process.start()
+        child.close()
+        self.idle = True
+
+    @property
+    def alive(self) -> bool:
+        return self.process.is_alive()
+
+    async def play(self, tasks: Mapping[int, dict], ids: list[EpisodeId], step: int, sampling: SamplingParams,
+                   policy: Policy, on_finished: Callable[[EpisodeRecord], None] | None
+                   ) -> tuple[list[EpisodeRecord], Counter]:
+        """Have the process play `ids`; serve its generations with `policy` meanwhile."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        answers: dict[int, asyncio.Task] = {}
+
+        def on_message() -> None:
+            try:
+                while not done.done() and self.conn.poll():
+                    self._handle(self.conn.recv(), policy, answers, done, on_finished)
+            except (EOFError, OSError):
+                if not done.done():
+                    self.process.join(timeout=1)
+                    done.set_exception(EnvProcessError(
+                        f"env process {self.index} died (exit code {self.process.exitcode})"))
+
+        self.idle = False
+        self._send(("play", tasks, ids, step, sampling))
+        loop.add_reader(self.conn.fileno(), on_message)
+        try:
+            records, spent = await done
+        finally:
+            loop.remove_reader(self.conn.fileno())
+            for task in answers.values():
+                task.cancel()
+        self.idle = True
+        return records, spent
+
+    def _handle(self, message: tuple, policy: Policy, answers: dict[int, asyncio.Task], done: asyncio.Future,
+                on_finished: Callable[[EpisodeRecord], None] | None) -> None:
+        kind, *body = message
+        if kind == "generate":
+            key, prompt_ids, params = body
+            answers[key] = asyncio.ensure_future(self._answer(key, prompt_ids, params, policy, answers))
+        elif kind == "cancel":
+            task = answers.pop(body[0], None)
+            if task is not None:
+                task.cancel()
+        elif kind == "finished":
+            if on_finished is not None:
+                on_finished(body[0])
+        elif kind == "result":
+            done.set_result(tuple(body))
+        elif kind == "error":
+            done.set_exception(body[0])
+
+    async def _answer(self, key: int, prompt_ids: list[int], params: SamplingParams, policy: Policy,
+                      answers: dict[int, asyncio.Task]) -> None:
+        try:
+            turn = await policy.generate(prompt_ids, params)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # raised in the env process, where the in-process driver would have seen it
+            self._send(("failed", key, _picklable(e)))
+        else:
+            self._send(("turn", key, turn))
+        finally:
+            answers.pop(key, None)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (BrokenPipeError, EOFError, OSError):
+            pass  # the process is gone: its reader reports that
+
+    def stop(self, wait: bool = True) -> None:
+        if self.process.is_alive():
+            self._send(("close",))
+            if wait:
+                self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.terminate()
+            if wait:
+                self.process.join(timeout=5)
+        self.conn.close()
+
+
+class RemotePolicy(Policy):
+    """The policy of an env process: each generation goes to the driver's process and its ModelTurn comes back."""
+
+    def __init__(self, conn):
+        self.conn = conn
+        self._pending: dict[int, asyncio.Future] = {}
+        self._keys = itertools.count()
+
+    async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
+        key = next(self._keys)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[key] = future
+        self.conn.send(("generate", key, list(prompt_ids), params or SamplingParams()))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.conn.send(("cancel", key))
+            raise
+        finally:
+            self._pending.pop(key, None)
+
+    def on_message(self) -> None:
+        """The driver's process answered: settle the generations it answered."""
+        while self.conn.poll():
+            kind, key, value = self.conn.recv()
+            future = self._pending.get(key)
+            if future is None or future.done():
+                continue  # cancelled meanwhile
+            if kind == "turn":
+                future.set_result(value)
+            else:
+                future.set_exception(value)
+
+
+def _env_process_main(conn, spec: bytes) -> None:
+    """An env process: build the driver once, then play each share it is sent until told to close. Ctrl-C is the
+    driver's process's to handle (a trainer saves at the step boundary): here it is ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    s: _DriverSpec = cloudpickle.loads(spec)
+    policy = RemotePolicy(conn)
+    driver = RolloutDriver(s.env, policy, s.sampling, env_kwargs=s.env_kwargs, max_concurrency=s.max_concurrency,
+                           generation_timeout_s=s.generation_timeout_s, seed=s.seed)
+    try:
+        while True:
+            try:
+                message = conn.recv()
+            except EOFError:
+                return
+            if message[0] == "close":
+                return
+            _, tasks, ids, step, sampling = message
+            try:
+                records, spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling))
+            except BaseException as e:
+                conn.send(("error", _picklable(e)))
+                if not isinstance(e, Exception):
+                    raise
+            else:
+                conn.send(("result", records, dict(spent)))
+    finally:
+        driver.close()
+
+
+async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling):
+    loop = asyncio.get_running_loop()
+    loop.add_reader(conn.fileno(), policy.on_message)
+    try:
+        return await driver.play(tasks, ids, step, sampling,
+                                 on_finished=lambda record: conn.send(("finished", _slim(record))))
+    finally:
+        loop.remove_reader(conn.fileno())
+
+
+def _slim(record: EpisodeRecord) -> EpisodeRecord:
+    """What the progress bar reads of a finished episode (its samples and messages stay for the result)."""
+    return EpisodeRecord(id=record.id, state=record.state, success=record.success)
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """`error` if it survives pickling, else an EnvProcessError carrying its type and message."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return EnvProcessError(f"{type(error).__name__}: {error}")
