@@ -32,6 +32,7 @@ step, the host is the bottleneck.
     python benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --new-tokens 128 --batch 64 256 512 \
         --out benchmarks/results/h200/rollout.json
     python benchmarks/bench_rollout.py ... --fast-path off               # HFPolicy's transformers path instead
+    python benchmarks/bench_rollout.py ... --env-processes 4             # the envs in 4 processes (ProcessRolloutDriver)
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
+import functools
 import gc
 import json
 import os
@@ -61,6 +63,7 @@ import agents.rollout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from agents.rollout import RolloutDriver, RolloutResult  # noqa: E402
+from agents.rollout_processes import ProcessRolloutDriver  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
 from mt_env.sample import Seg  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
@@ -139,7 +142,8 @@ def run_hf_static(model, work, temperature: float, pad_id: int) -> tuple[float, 
     return time.perf_counter() - start, tokens
 
 
-def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], args, step: int) -> dict:
+def measure(driver, policy: HFPolicy, tasks: list[dict], args, step: int) -> tuple[dict, list]:
+    """The driver and the engine replaying its token work; returns the row of figures and that work."""
     driver_tok_s, engine_tok_s, splits, ends = [], [], [], Counter()
     # Warm-up at this exact size: the first pass through a range of tensor sizes (KV caches growing token by token,
     # CUDA graphs captured per bucket) pays for what later passes reuse; whichever side ran first would otherwise
@@ -177,16 +181,19 @@ def measure(driver: RolloutDriver, policy: HFPolicy, tasks: list[dict], args, st
                generation_s=figures["time/generation_s"], tools_s=figures["time/tools_s"],
                bookkeeping_s=figures["time/bookkeeping_s"], driver_vs_engine_runs=ratios, end_reasons=dict(ends),
                driver_passes=figures["driver_passes"], engine_passes=figures["engine_passes"])
-    if args.hf_static:
-        try:
-            run_hf_static(policy.model, figures["work"], args.temperature, args.pad_id)  # warm-up (and compilation)
-            wall, tokens = run_hf_static(policy.model, figures["work"], args.temperature, args.pad_id)
-        except Exception as e:  # e.g. out of memory at a large batch: keep the other figures
-            row.update(hf_static_error=f"{type(e).__name__}: {e}")
-        else:
-            row.update(hf_static_tok_s=tokens / wall, hf_static_wall_s=wall, hf_static_tokens=tokens,
-                       engine_vs_hf_static=row["engine_tok_s"] * wall / tokens)
-    return row
+    return row, figures["work"]
+
+
+def measure_hf_static(row: dict, model, work, args) -> None:
+    """transformers' static-cache generate on the turns `row` measured; adds its figures to `row`."""
+    try:
+        run_hf_static(model, work, args.temperature, args.pad_id)  # warm-up (and compilation)
+        wall, tokens = run_hf_static(model, work, args.temperature, args.pad_id)
+    except Exception as e:  # e.g. out of memory at a large batch: keep the other figures
+        row.update(hf_static_error=f"{type(e).__name__}: {e}")
+    else:
+        row.update(hf_static_tok_s=tokens / wall, hf_static_wall_s=wall, hf_static_tokens=tokens,
+                   engine_vs_hf_static=row["engine_tok_s"] * wall / tokens)
 
 
 def print_row(row: dict) -> None:
@@ -248,6 +255,8 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--admit-wait-steps", type=int, help="HFPolicy's admit_wait_steps (default: HFPolicy's own)")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
                     "objects alive then are never scanned again)")
+    ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
+                    "(agents.rollout_processes.ProcessRolloutDriver); 0: in this process (RolloutDriver)")
     ap.add_argument("--out", help="write the figures as JSON here")
     return ap.parse_args()
 
@@ -280,7 +289,7 @@ def main():
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
-                  admit_wait_steps=policy.admit_wait_steps)
+                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
@@ -289,11 +298,16 @@ def main():
     print(f"HFPolicy fast path: {policy.fast_path_reason}")
     print(f"decode step: {policy.compile_reason}")
     print(f"episodes: {TURNS} turns x {args.new_tokens} new tokens, temperature {args.temperature}; "
-          f"batch sizes {args.batch}; {args.repeats} timed run(s) each")
+          f"batch sizes {args.batch}; {args.repeats} timed run(s) each; driver: "
+          + (f"env work in {args.env_processes} processes" if args.env_processes else "env work in this process"))
 
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
-    driver = RolloutDriver(lambda: KeepGoingEnv(tokenizer=tokenizer), policy, sampling, max_concurrency=largest,
-                           generation_timeout_s=None, seed=0)
+    make_env = functools.partial(KeepGoingEnv, tokenizer=tokenizer)
+    if args.env_processes:
+        driver = ProcessRolloutDriver(make_env, policy, sampling, processes=args.env_processes,
+                                      max_concurrency=largest, generation_timeout_s=None, seed=0)
+    else:
+        driver = RolloutDriver(make_env, policy, sampling, max_concurrency=largest, generation_timeout_s=None, seed=0)
     rng = np.random.default_rng(0)
     tasks = [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(largest)]
 
@@ -306,16 +320,28 @@ def main():
 
     print(f"{'batch':>5} {'tokens':>7} {'driver tok/s':>12} {'engine tok/s':>11} {'hf static tok/s':>14} "
           f"{'eng/hf':>7} {'drv/eng':>9}   {'generation s':>12} {'tools s':>8} {'bookkeeping s':>13}")
-    rows = []
+    rows, works = [], []
     try:
         for i, batch in enumerate(args.batch):
             try:
-                rows.append(measure(driver, policy, tasks[:batch], args, step=1000 * i))
+                row, work = measure(driver, policy, tasks[:batch], args, step=1000 * i)
+                rows.append(row)
+                works.append(work)
             except Exception as e:  # record it and go on with the next size
                 rows.append(dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
-            print_row(rows[-1])
+                works.append(None)
             header["compile"] = policy.compile_reason
             write(rows, args, header)  # after each size: a run cut short still leaves its figures
+            if not args.hf_static:
+                print_row(rows[-1])
+        # transformers' generate last, once the engine is done: in one process, a run of the engine after the
+        # compiled static generate died with a CUDA illegal memory access (see the README's Status)
+        for row, work in zip(rows, works):
+            if args.hf_static:
+                if work is not None:
+                    measure_hf_static(row, policy.model, work, args)
+                print_row(row)
+                write(rows, args, header)
     finally:
         asyncio.run(policy.close())
         driver.close()

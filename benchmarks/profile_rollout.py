@@ -1,0 +1,307 @@
+"""Where the rollout driver loses time against the engine: one driver run and one engine replay of the same token
+work (`bench_rollout.py`'s setup) under `torch.profiler`, and a table of the device's idle time by what each
+thread was doing meanwhile.
+
+The worker's phases (gathering, prefill, launching a decode step, collecting one) and the event loop's env work
+(reset, step) are marked by subclasses local to this script (host-clock ranges, aligned with the trace's clock
+through an "anchor" range: the profiler records CPU ranges of the profiling thread only); the device's busy time is
+the union of its kernels and copies in the trace. Every idle stretch of the device is attributed to the pair (worker phase,
+event-loop activity) at its middle: e.g. ``prefill | env.step`` is the device waiting while the worker runs an eager
+prefill pass and the event loop steps envs (both want the GIL).
+
+    python benchmarks/profile_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 --new-tokens 128 \
+        --out /tmp/profile    # writes profile.txt and, per run, a gzipped Chrome trace (chrome://tracing, Perfetto)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import functools
+import gc
+import gzip
+import json
+import shutil
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agents.hf_policy import HFPolicy  # noqa: E402
+from agents.policy import SamplingParams  # noqa: E402
+from agents.rollout import RolloutDriver  # noqa: E402
+from agents.rollout_processes import ProcessRolloutDriver  # noqa: E402
+from benchmarks.bench_rollout import KeepGoingEnv, build_model, run_engine, turn_work  # noqa: E402
+from envs.calculator import CalculatorEnv  # noqa: E402
+from mt_env.tokenizer import load_tokenizer  # noqa: E402
+
+GAP_S = 50e-6  # idle stretches shorter than this are launch jitter, not lost time
+
+
+MARKS: list[tuple[float, float, str, str]] = []  #: (start, end) in perf_counter seconds, name, thread role
+DETAILS: list[tuple[float, float, str]] = []  #: (start, end, what) of the timeline's events
+ARRIVALS: list[float] = []  #: when the worker took each request
+
+
+@contextlib.contextmanager
+def mark(name: str, role: str):
+    """Record a range of this thread's work (the profiler records only the profiling thread's CPU ranges)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        MARKS.append((start, time.perf_counter(), name, role))
+
+
+class MarkedPolicy(HFPolicy):
+    """HFPolicy with its worker's phases marked (names without the leading underscore), and the timeline's
+    details: each prefill pass's rows, width and tokens, slow launches (graph captures), request arrivals."""
+
+    def _prefill_slots(self, requests):
+        lengths = [len(r.prompt) for r in requests]
+        decoding, start = self._slots.held_count(), time.perf_counter()
+        with mark("prefill_slots", "worker"):
+            super()._prefill_slots(requests)
+        DETAILS.append((start, time.perf_counter(), f"prefill {len(requests)} rows, width {max(lengths)}, "
+                        f"{sum(lengths)} tokens ({len(requests) * max(lengths) - sum(lengths)} padding), "
+                        f"{decoding} rows decoding"))
+
+    def _launch_step(self, previous):
+        captures, start = self.stats["graph_captures"], time.perf_counter()
+        with mark("launch_step", "worker"):
+            launched = super()._launch_step(previous)
+        end = time.perf_counter()
+        if end - start > 1e-3:
+            DETAILS.append((start, end, f"launch of {self._slots.held_count()} rows took {(end - start) * 1e3:.1f} ms"
+                            f" ({self.stats['graph_captures'] - captures} captures)"))
+        return launched
+
+    def _accept(self, item):
+        if hasattr(item, "prompt"):
+            ARRIVALS.append(time.perf_counter())
+        return super()._accept(item)
+
+
+for _name in ("_gather", "_collect"):
+    def _marked(self, *args, _method=getattr(HFPolicy, _name), _label=_name.strip("_"), **kwargs):
+        with mark(_label, "worker"):
+            return _method(self, *args, **kwargs)
+    setattr(MarkedPolicy, _name, _marked)
+
+
+def _gc_timer():
+    """gc.callbacks entry recording collections longer than 1 ms (they hold the GIL: every thread waits)."""
+    started = {}
+
+    def callback(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            end = time.perf_counter()
+            if end - started["t"] > 1e-3:
+                DETAILS.append((started["t"], end, f"gc generation {info['generation']}: "
+                                f"{(end - started['t']) * 1e3:.1f} ms, {info['collected']} collected"))
+    return callback
+
+
+def timeline(fn, name: str) -> object:
+    """Run `fn()` with the marks only (no profiler: nothing slows the threads) and print its timeline."""
+    MARKS.clear(), DETAILS.clear(), ARRIVALS.clear()
+    callback = _gc_timer()
+    gc.callbacks.append(callback)
+    start = time.perf_counter()
+    try:
+        result = fn()
+    finally:
+        gc.callbacks.remove(callback)
+    wall = time.perf_counter() - start
+    phases = Counter()
+    for a, b, label, role in MARKS:
+        phases[f"{role} {label}"] += b - a
+    print(f"\n{name}: wall {wall:.3f} s; " + ", ".join(f"{k} {v:.3f} s" for k, v in sorted(phases.items())))
+    slow = [b - a for a, b, what in DETAILS if what.startswith("launch")]
+    print(f"  launches over 1 ms: {len(slow)} taking {sum(slow) * 1e3:.0f} ms; over 4 ms: "
+          f"{sum(d > 4e-3 for d in slow)} taking {sum(d for d in slow if d > 4e-3) * 1e3:.0f} ms (listed)")
+    last = start
+    for a, b, what in sorted(DETAILS):
+        if what.startswith("launch") and b - a <= 4e-3:
+            continue
+        arrived = [t for t in ARRIVALS if last <= t < a]
+        since = (f"; {len(arrived)} arrived over {(arrived[-1] - arrived[0]) * 1e3:.1f} ms from "
+                 f"{(arrived[0] - start) * 1e3:.1f}") if arrived and what.startswith("prefill") else ""
+        print(f"  {(a - start) * 1e3:8.1f} ms  +{(b - a) * 1e3:6.1f} ms  {what}{since}")
+        if what.startswith("prefill"):
+            last = a
+    return result
+
+
+class MarkedEnv(KeepGoingEnv):
+    """The benchmark's env with its reset and step marked."""
+
+    async def areset(self, **kwargs):
+        with mark("env.reset", "loop"):
+            return await super().areset(**kwargs)
+
+    async def astep(self, action):
+        with mark("env.step", "loop"):
+            return await super().astep(action)
+
+
+def intervals(events: list[dict], keep) -> list[tuple[float, float]]:
+    """Merged [start, end) intervals (µs) of the events `keep` accepts."""
+    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in events if keep(e))
+    merged: list[list[float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+
+
+def innermost(ranges: list[tuple[float, float, str]], at: float) -> str:
+    """The name of the latest-starting range (of one thread) that covers `at`; '-' when none does."""
+    starts = [r[0] for r in ranges]
+    i = bisect.bisect_right(starts, at)
+    for start, end, name in reversed(ranges[max(0, i - 64):i]):
+        if start <= at < end:
+            return name
+    return "-"
+
+
+def analyse(trace: dict, marks: list[tuple[float, float, str, str]], anchor: float) -> dict:
+    """Device busy time over the run's wall time, and its idle time by (worker phase | event-loop activity).
+    `anchor`: the perf_counter time of the trace's "anchor" range, which aligns the marks with the trace's clock."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    base = next(e["ts"] for e in events if e.get("name") == "anchor") - anchor * 1e6
+    device = intervals(events, lambda e: e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"))
+    by_role = defaultdict(list)
+    for start, end, name, role in marks:
+        by_role[role].append((base + start * 1e6, base + end * 1e6, name))
+    for ranges in by_role.values():
+        ranges.sort()
+    runs = [e for e in events if e.get("name") == "run"]
+    wall = (runs[0]["ts"], runs[0]["ts"] + runs[0]["dur"])
+    busy = sum(min(b, wall[1]) - max(a, wall[0]) for a, b in device if b > wall[0] and a < wall[1])
+    idle = Counter()
+    edges = [wall[0]] + [x for span in device for x in span] + [wall[1]]
+    for a, b in zip(edges[::2], edges[1::2]):
+        a, b = max(a, wall[0]), min(b, wall[1])
+        if b - a >= GAP_S * 1e6:
+            mid = (a + b) / 2
+            idle[f"{innermost(by_role['worker'], mid)} | {innermost(by_role['loop'], mid)}"] += b - a
+    phases = Counter()
+    for role, ranges in by_role.items():
+        for start, end, name in ranges:
+            phases[f"{role} {name}"] += end - start
+    counts = Counter(f"{role} {name}" for _, _, name, role in marks)
+    return dict(wall_s=(wall[1] - wall[0]) / 1e6, device_busy_s=busy / 1e6,
+                idle_by_phase_s={k: v / 1e6 for k, v in idle.most_common()},
+                thread_phase_s={k: v / 1e6 for k, v in sorted(phases.items())}, thread_phase_counts=dict(counts))
+
+
+def profiled(fn, out: Path, name: str) -> tuple[dict, object, list, float]:
+    """Run `fn()` under the profiler; write the gzipped trace; return (the trace, fn's result, the marks made
+    meanwhile, the anchor's perf_counter time)."""
+    MARKS.clear()
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        with record_function("anchor"):
+            anchor = time.perf_counter()
+        with record_function("run"):
+            result = fn()
+            if cuda:
+                torch.cuda.synchronize()
+    marks = list(MARKS)
+    raw = out / f"{name}.json"
+    prof.export_chrome_trace(str(raw))
+    trace = json.loads(raw.read_text())
+    with raw.open("rb") as src, gzip.open(out / f"{name}.json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    raw.unlink()
+    return trace, result, marks, anchor
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=["tiny", "qwen2.5-0.5b"], default="qwen2.5-0.5b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--batch", type=int, nargs="+", default=[64])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--admit-wait-steps", type=int, default=0)
+    ap.add_argument("--fast-path", choices=["auto", "on"], default="auto", help="on: HFPolicy's fast path also on CPU")
+    ap.add_argument("--env-processes", type=int, default=0, help="--timeline: also run the driver with its env work "
+                    "in this many processes")
+    ap.add_argument("--timeline", action="store_true", help="no profiler: print each run's prefill passes, slow "
+                    "launches and garbage collections, with the requests' arrivals")
+    ap.add_argument("--out", default="/tmp/profile_rollout")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer("offline:qwen2.5")
+    model, shape = build_model(args.model, args.device, len(tokenizer))
+    policy = MarkedPolicy(model, max_batch_size=max(args.batch), seed=0, vocab_limit=len(tokenizer),
+                          admit_wait_steps=args.admit_wait_steps, fast_path=args.fast_path == "on" or "auto")
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
+    driver = RolloutDriver(lambda: MarkedEnv(tokenizer=tokenizer), policy, sampling, max_concurrency=max(args.batch),
+                           generation_timeout_s=None, seed=0)
+    processes = ProcessRolloutDriver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling,
+                                     processes=args.env_processes, max_concurrency=max(args.batch),
+                                     generation_timeout_s=None) if args.env_processes else None
+    rng = np.random.default_rng(0)
+    tasks = [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(max(args.batch))]
+    report = dict(model=shape, fast_path=policy.fast_path_reason, compile=policy.compile_reason, runs={})
+    try:
+        for batch in args.batch:
+            for warm in range(2):  # the shapes of this size: compiled, captured
+                asyncio.run(run_engine(policy, turn_work(driver.run(tasks[:batch], step=50 + warm)), 1.0))
+                if processes is not None:
+                    processes.run(tasks[:batch], step=60 + warm)
+            if args.timeline:
+                result = timeline(lambda: driver.run(tasks[:batch], step=1), f"driver, {batch} episodes")
+                timeline(lambda: asyncio.run(run_engine(policy, turn_work(result), 1.0)), f"engine, {batch} episodes")
+                if args.env_processes:
+                    timeline(lambda: processes.run(tasks[:batch], step=1),
+                             f"driver with {args.env_processes} env processes, {batch} episodes")
+                continue
+            start = time.perf_counter()
+            driver_run = profiled(lambda: driver.run(tasks[:batch], step=1), out, f"driver_{batch}")
+            driver_s = time.perf_counter() - start
+            result = driver_run[1]
+            work = turn_work(result)
+            engine_run = profiled(lambda: asyncio.run(run_engine(policy, work, 1.0)), out, f"engine_{batch}")
+            tokens = int(result.metrics["rollout/generated_tokens"])
+            for name, (trace, _, marks, anchor) in (("driver", driver_run), ("engine", engine_run)):
+                report["runs"][f"{name}_{batch}"] = dict(tokens=tokens, **analyse(trace, marks, anchor))
+            report["runs"][f"driver_{batch}"]["wall_with_profiler_s"] = driver_s
+            print_report(report["runs"], batch)
+    finally:
+        asyncio.run(policy.close())
+        driver.close()
+        if processes is not None:
+            processes.close()
+    (out / "profile.json").write_text(json.dumps(report, indent=2))
+
+
+def print_report(runs: dict, batch: int) -> None:
+    for name in (f"driver_{batch}", f"engine_{batch}"):
+        r = runs[name]
+        print(f"\n{name}: wall {r['wall_s']:.3f} s, device busy {r['device_busy_s']:.3f} s "
+              f"({r['device_busy_s'] / max(r['wall_s'], 1e-9):.0%}), {r['tokens'] / r['wall_s']:,.0f} tok/s")
+        print("  device idle by (worker phase | event loop):")
+        for k, v in list(r["idle_by_phase_s"].items())[:12]:
+            print(f"    {v:8.3f} s  {k}")
+        print("  thread time in ranges:", ", ".join(f"{k} {v:.3f} s ({r['thread_phase_counts'][k]}x)"
+                                                    for k, v in r["thread_phase_s"].items()))
+
+
+if __name__ == "__main__":
+    main()
