@@ -307,8 +307,9 @@ class ChatFormat:
         return f"ChatFormat({getattr(self.tokenizer, 'name_or_path', '?')!r}, tools={tools}, eot={self.end_of_turn!r})"
 
 
-# The formats in use, by (tokenizer id, JSON of tools and template variables). Weak values: an entry lives as long
-# as some env holds its format, and that format holds the tokenizer, so the id cannot be reused meanwhile.
+# The formats in use, by (tokenizer id, JSON of tools and template variables, keys in their order: the template
+# writes schemas with tojson, in that order). Weak values: an entry lives as long as some env holds its format, and
+# that format holds the tokenizer, so the id cannot be reused meanwhile.
 _in_use: weakref.WeakValueDictionary[tuple[int, str], ChatFormat] = weakref.WeakValueDictionary()
 
 
@@ -319,7 +320,7 @@ def shared_chat_format(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None
     wrappers, recurring tool outputs): 256 envs encode and keep them once, not 256 times. Tools or variables that
     JSON cannot write get a format of their own."""
     try:
-        key = (id(tokenizer), json.dumps([tools or None, dict(template_kwargs or {})], sort_keys=True))
+        key = (id(tokenizer), json.dumps([tools or None, dict(template_kwargs or {})]))
     except (TypeError, ValueError):
         return ChatFormat(tokenizer, tools=tools, template_kwargs=template_kwargs)
     fmt = _in_use.get(key)

@@ -265,6 +265,8 @@ def test_a_shared_format_is_the_one_in_use_for_equal_arguments(qwen25, qwen3):
     assert shared_chat_format(qwen25, [copy.deepcopy(LOOKUP_TOOL)], {"flag": 1}) is used
     assert shared_chat_format(qwen25, [LOOKUP_TOOL], {"flag": 2}) is not used
     assert shared_chat_format(qwen25, None, {"flag": 1}) is not used
+    reordered = {key: LOOKUP_TOOL[key] for key in reversed(LOOKUP_TOOL)}  # the template writes it in this order
+    assert shared_chat_format(qwen25, [reordered], {"flag": 1}) is not used
     assert shared_chat_format(qwen3, [LOOKUP_TOOL], {"flag": 1}) is not used
     opaque = {"flag": object()}
     assert shared_chat_format(qwen25, [LOOKUP_TOOL], opaque) is not shared_chat_format(qwen25, [LOOKUP_TOOL], opaque)
