@@ -9,7 +9,9 @@ message contents on their own (their edges merge with the wrapper around them).
 from __future__ import annotations
 
 import functools
+import json
 import re
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -303,3 +305,25 @@ class ChatFormat:
     def __repr__(self) -> str:
         tools = [t.get("function", t).get("name") for t in self.tools or []]
         return f"ChatFormat({getattr(self.tokenizer, 'name_or_path', '?')!r}, tools={tools}, eot={self.end_of_turn!r})"
+
+
+# The formats in use, by (tokenizer id, JSON of tools and template variables, keys in their order: the template
+# writes schemas with tojson, in that order). Weak values: an entry lives as long as some env holds its format, and
+# that format holds the tokenizer, so the id cannot be reused meanwhile.
+_in_use: weakref.WeakValueDictionary[tuple[int, str], ChatFormat] = weakref.WeakValueDictionary()
+
+
+def shared_chat_format(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None,
+                       template_kwargs: Mapping[str, Any] | None = None) -> ChatFormat:
+    """The `ChatFormat` of this tokenizer, tool schemas and template variables that other envs of the process
+    already use, or a new one. Sharing it shares its encodings of repeated pieces (system prompt and tool schemas,
+    wrappers, recurring tool outputs): 256 envs encode and keep them once, not 256 times. Tools or variables that
+    JSON cannot write get a format of their own."""
+    try:
+        key = (id(tokenizer), json.dumps([tools or None, dict(template_kwargs or {})]))
+    except (TypeError, ValueError):
+        return ChatFormat(tokenizer, tools=tools, template_kwargs=template_kwargs)
+    fmt = _in_use.get(key)
+    if fmt is None:
+        fmt = _in_use[key] = ChatFormat(tokenizer, tools=tools, template_kwargs=template_kwargs)
+    return fmt

@@ -46,7 +46,7 @@ import numpy as np
 from gymnasium import spaces
 from gymnasium.error import ResetNeeded
 
-from .chat_format import ChatFormat, encodable, encodable_value, unencodable_at
+from .chat_format import ChatFormat, encodable, encodable_value, shared_chat_format, unencodable_at
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
@@ -268,7 +268,7 @@ class ToolEnv(gym.Env):
         _check_encodable(messages, chosen.sample_id)
         self.messages = list(messages)
         if self.tokenizer is not None:
-            fmt = self._formats.get(key) or self._formats.setdefault(key, ChatFormat(
+            fmt = self._formats.get(key) or self._formats.setdefault(key, shared_chat_format(
                 self.tokenizer, tools=chosen.schemas or None, template_kwargs=self.template_kwargs))
             self.conversation = Conversation(fmt, messages, budget=self.budget, mode=self.mode, strict=self.strict)
             sample = self.conversation.current

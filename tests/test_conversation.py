@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import copy
+import gc
 import re
+import weakref
 
 import pytest
 
-from mt_env.chat_format import ZERO_WIDTH_SPACE, ChatFormat
+from mt_env.chat_format import ZERO_WIDTH_SPACE, ChatFormat, shared_chat_format
 from mt_env.conformance import check_template
 from mt_env.conversation import Conversation, TokenBudget
 from mt_env.errors import BudgetError, ChatFormatError, ConversationError, DriftError
@@ -253,3 +255,23 @@ def test_render_shows_trained_tokens(fmt):
     assert "trained: yes" in html
     ansi = conv.render_ansi()
     assert "\x1b[" in ansi and "lookup" in ansi and "sampled (trained)" in ansi
+
+
+def test_a_shared_format_is_the_one_in_use_for_equal_arguments(qwen25, qwen3):
+    """Equal tools and template variables (not the same objects) give the format already in use, so its encodings
+    are shared; any difference gives another; values JSON cannot write a format of their own; a format nobody
+    holds any more is dropped."""
+    used = shared_chat_format(qwen25, [LOOKUP_TOOL], {"flag": 1})
+    assert shared_chat_format(qwen25, [copy.deepcopy(LOOKUP_TOOL)], {"flag": 1}) is used
+    assert shared_chat_format(qwen25, [LOOKUP_TOOL], {"flag": 2}) is not used
+    assert shared_chat_format(qwen25, None, {"flag": 1}) is not used
+    reordered = {key: LOOKUP_TOOL[key] for key in reversed(LOOKUP_TOOL)}  # the template writes it in this order
+    assert shared_chat_format(qwen25, [reordered], {"flag": 1}) is not used
+    assert shared_chat_format(qwen3, [LOOKUP_TOOL], {"flag": 1}) is not used
+    opaque = {"flag": object()}
+    assert shared_chat_format(qwen25, [LOOKUP_TOOL], opaque) is not shared_chat_format(qwen25, [LOOKUP_TOOL], opaque)
+    dropped = weakref.ref(used)
+    del used
+    gc.collect()
+    assert dropped() is None
+    assert shared_chat_format(qwen25, [LOOKUP_TOOL], {"flag": 1}).tools == [LOOKUP_TOOL]

@@ -205,3 +205,58 @@ def test_subset_steps_share_the_vector_state():
     envs.reset_subset([0])
     obs, *_ = envs.step([CALL, CALL])
     assert obs["text"] == ("tool: 6", "tool: 6")
+
+
+def test_envs_with_one_tokenizer_and_tool_set_share_their_chat_format(qwen25):
+    """The prompt's repeated pieces (system prompt, tool schemas) are encoded and kept once, not once per env."""
+    envs = ToolVectorEnv([lambda: CalculatorEnv(tokenizer=qwen25)] * 3)
+    envs.reset(seed=0)
+    formats = [env.conversation.fmt for env in envs.base_envs]
+    assert formats[0] is formats[1] is formats[2]
+    envs.close()
+
+
+class RecordsCollector(CalculatorEnv):
+    """Notes whether the garbage collector is on while it resets and steps."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.collector_on: list[bool] = []
+
+    async def areset(self, **kwargs):
+        self.collector_on.append(gc.isenabled())
+        return await super().areset(**kwargs)
+
+    async def astep(self, action):
+        self.collector_on.append(gc.isenabled())
+        return await super().astep(action)
+
+
+@pytest.mark.parametrize("collector_on", [True, False])
+def test_a_vector_call_pauses_the_collector_and_restores_it(collector_on):
+    """Every vector call runs with the collector off and leaves it as it found it, also when the call raises."""
+    envs = ToolVectorEnv([RecordsCollector] * 2)
+    was_on = gc.isenabled()
+    try:
+        gc.enable() if collector_on else gc.disable()
+        envs.reset(seed=0)
+        envs.step([CALL, CALL])
+        envs.reset_subset([1])
+        envs.step_subset([0], [ANSWER])
+        assert gc.isenabled() == collector_on
+        with pytest.raises(ResetNeeded):
+            envs.step_subset([0], [CALL])  # its episode has ended
+        assert gc.isenabled() == collector_on
+    finally:
+        gc.enable() if was_on else gc.disable()
+    assert [env.collector_on for env in envs.base_envs] == [[False] * 4, [False] * 3]
+    envs.close()
+
+
+def test_a_subset_step_touches_only_its_envs():
+    """`step_subset` / `reset_subset` do work for the envs they name, not for all of the vector env's."""
+    envs = ToolVectorEnv([RecordsCollector] * 5)
+    envs.reset_subset([1, 3])
+    envs.step_subset([3], [CALL])
+    assert [len(env.collector_on) for env in envs.base_envs] == [0, 1, 0, 2, 0]
+    envs.close()
