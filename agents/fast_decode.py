@@ -32,9 +32,10 @@ optimizer step the next token sees the new weights) through its own layer loop:
   device. On CUDA the three step functions (not the sampler: see `head_logits`) are compiled by Inductor
   (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one compilation for all layers and
   buckets; eager where compilation fails) and the step is captured per (batch bucket, length bucket, sampling
-  mode) into a ``torch.cuda.CUDAGraph`` (after a warm-up on a side stream, where
-  compilation happens; all graphs sharing one memory pool) whose inputs and outputs are the engine's persistent
-  per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a module
+  mode) into a ``torch.cuda.CUDAGraph`` on that bucket's `CAPTURE_ON_USE`-th step (the first ones run uncaptured:
+  a bucket that a few stray rows pass through once does not pay a capture), after a warm-up on a side stream,
+  where compilation happens; all graphs share one memory pool, and their inputs and outputs are the engine's
+  persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a module
   whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
   addresses (`SlotEngine.check_module`) and the graphs are captured again (checked before each prefill: weights
   change between generations). A step that cannot be captured runs eagerly (`SlotEngine.capture_failure`).
@@ -67,7 +68,6 @@ never expands them; an all-greedy batch uses a ``"greedy"`` graph that skips the
 from __future__ import annotations
 
 import contextlib
-import gc
 import random
 import sys
 from collections.abc import Callable, Sequence
@@ -78,6 +78,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mt_env.collector import collector_paused
 
 from .compiling import COMPILE_COUNTS, compiled
 from .policy import GenerationError, SamplingParams
@@ -91,6 +93,10 @@ PREFILL_TOKENS = 32768
 #: default `max_cache_len` cap: every slot holds this many tokens, so the cache is slots x this x per-token size
 DEFAULT_MAX_CACHE_LEN = 4096
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
+#: a (batch, length, mode) bucket is captured the n-th time a step needs it; before that its steps run uncaptured.
+#: A capture (a synchronisation, the warm-up steps, recording ~500 kernels) costs ~50-150 ms during which every row
+#: waits, worth it for a bucket that recurs; buckets that a few stray rows pass through for a step or two do not.
+CAPTURE_ON_USE = 3
 
 
 class UnsupportedModel(ValueError):
@@ -487,14 +493,15 @@ class SlotEngine:
         self.max_slots, self.max_cache_len, self.vocab_size = max_slots, max_cache_len, vocab_size
         self.cuda_graphs, self.length_step = cuda_graphs, length_step
         self.stats = stats if stats is not None else {}
-        for key in ("graph_captures", "graph_replays", "module_reallocations", "compilations", "compile_s",
-                    "capture_failures"):
+        for key in ("graph_captures", "graph_replays", "uncaptured_steps", "module_reallocations", "compilations",
+                    "compile_s", "capture_failures"):
             self.stats.setdefault(key, 0)
         self._functions = {fn.__name__: compiled(fn) if compile else fn for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
         self._state: _SlotState | None = None
         self._graphs: dict[tuple[int, int, str], Any] = {}
+        self._uses: dict[tuple[int, int, str], int] = {}  #: uncaptured steps of each bucket not captured yet
         self._pool: Any = None
         self._side_stream: Any = None
         self._module_key: tuple | None = None  #: (device, dtype, parameter addresses) the cache and graphs are for
@@ -732,6 +739,11 @@ class SlotEngine:
     # ------------------------------------------------------------------------------------- CUDA graphs
     def _replay(self, key: tuple[int, int, str]) -> None:
         graph = self._graphs.get(key)
+        if graph is None and self._uses.setdefault(key, 0) < CAPTURE_ON_USE - 1:
+            self._uses[key] += 1
+            self.stats["uncaptured_steps"] += 1
+            self._run_decode(*key)
+            return
         if graph is None:
             torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
             self._warm_up(key)  # an error here is the step's own: it propagates
@@ -772,7 +784,7 @@ class SlotEngine:
         garbage collector is paused during it: a collection on this thread could free tensors whose release
         records CUDA events (pinned host memory used by asynchronous copies), which a capture forbids."""
         graph = torch.cuda.CUDAGraph()
-        with _gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
+        with collector_paused(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
                                             capture_error_mode="thread_local"):
             self._decode(*key)
         self._graphs[key] = graph
@@ -793,17 +805,6 @@ def _kv_dtype(layout: DecoderLayout) -> torch.dtype:
 def _module_key(model: nn.Module, layout: DecoderLayout) -> tuple:
     addresses = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
     return module_device(model), _kv_dtype(layout), addresses
-
-
-@contextlib.contextmanager
-def _gc_paused():
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import gymnasium as gym
 
+from mt_env.collector import collector_paused
 from mt_env.env import ToolEnv
 from mt_env.errors import BudgetError
 from mt_env.sample import Sample
@@ -226,10 +227,11 @@ class RolloutDriver:
                 if on_finished is not None:
                     on_finished(record)
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                for record in records:
-                    group.create_task(one(record))
+        try:  # the collector paused: the episodes' objects live until the end, and a full collection mid-rollout
+            with collector_paused():  # would hold the interpreter lock from an engine's worker (mt_env.collector)
+                async with asyncio.TaskGroup() as group:
+                    for record in records:
+                        group.create_task(one(record))
         except BaseExceptionGroup as eg:  # a dead policy, or an env that cannot be created: raise it as it is
             dead = eg.subgroup(PolicyError)
             raise (dead or eg).exceptions[0] from None

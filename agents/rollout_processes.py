@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import cloudpickle
 import gymnasium as gym
 
+from mt_env.collector import collector_paused
 from mt_env.turn import ModelTurn
 
 from .policy import Policy, SamplingParams
@@ -93,9 +94,10 @@ class ProcessRolloutDriver:
         start = time.perf_counter()
         try:
             workers = self._started()
-            outcomes = await asyncio.gather(
-                *(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step, sampling, self.policy, progress)
-                  for w, share in zip(workers, shares) if share), return_exceptions=True)
+            with collector_paused():  # as in RolloutDriver.play: no full collection stalls the engine meanwhile
+                outcomes = await asyncio.gather(
+                    *(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step, sampling, self.policy,
+                             progress) for w, share in zip(workers, shares) if share), return_exceptions=True)
         finally:
             if progress is not None:
                 progress.close()
