@@ -296,16 +296,16 @@ class HFPolicy(Policy):
         #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges, graph replays, ...
         #: merges and separate_batches are the transformers path's; the fast path pads decode batches to a bucket
         #: (padded_rows), computes a row-step for rows that ended at the step before (wasted_rows: overlapped
-        #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays). Seconds:
-        #: busy_s (the worker serving: from taking work while idle until idle again), gather_s (gathering requests
-        #: that trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on
+        #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays; a bucket's
+        #: first steps run uncaptured: uncaptured_steps). Seconds: busy_s (the worker serving: from taking work
+        #: while idle until idle again), gather_s (gathering requests that trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on
         #: CUDA enqueueing them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched
         #: steps' outputs); the rest of busy_s is the worker's bookkeeping, with its waits to take the GIL back.
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
                                       "separate_batches": 0, "padded_rows": 0, "wasted_rows": 0,
                                       "compaction_moves": 0, "graph_captures": 0, "graph_replays": 0,
-                                      "module_reallocations": 0, "compilations": 0, "compile_s": 0.0,
-                                      "capture_failures": 0, "busy_s": 0.0, "gather_s": 0.0, "prefill_s": 0.0,
+                                      "uncaptured_steps": 0, "module_reallocations": 0, "compilations": 0,
+                                      "compile_s": 0.0, "capture_failures": 0, "busy_s": 0.0, "gather_s": 0.0, "prefill_s": 0.0,
                                       "launch_s": 0.0, "step_wait_s": 0.0}
         cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
         self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)

@@ -212,6 +212,7 @@ def print_row(row: dict) -> None:
               f"({p['decoded_rows'] / steps:.1f} rows + {p['wasted_rows'] / steps:.1f} wasted + "
               f"{p['padded_rows'] / steps:.1f} padding each), "
               f"{p['graph_replays']} graph replays, {p['graph_captures']} captures, "
+              f"{p['uncaptured_steps']} uncaptured, "
               f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn, "
               f"{p['compilations']} compilations ({p['compile_s']:.1f} s)")
         host = p["busy_s"] - p["gather_s"] - p["prefill_s"] - p["launch_s"] - p["step_wait_s"]

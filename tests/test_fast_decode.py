@@ -97,7 +97,9 @@ def test_fast_path_gives_the_transformers_paths_tokens_and_logprobs(arch_model, 
     assert_same(fast, reference)
     assert stats["decode_passes"] > 0 and stats["merges"] == 0
     if DEVICE == "cuda":
-        assert stats["graph_replays"] == stats["decode_passes"] and stats["graph_captures"] > 0
+        # every step replays a graph, but the first steps of a bucket, which run uncaptured (CAPTURE_ON_USE)
+        assert stats["graph_replays"] + stats["uncaptured_steps"] == stats["decode_passes"]
+        assert stats["graph_captures"] > 0
 
 
 def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
