@@ -81,7 +81,7 @@ from torch import nn
 
 from mt_env.collector import collector_paused
 
-from .compiling import COMPILE_COUNTS, compiled
+from .compiling import COMPILE_COUNTS, Compiled, compiled
 from .policy import GenerationError, SamplingParams
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -547,6 +547,21 @@ class SlotEngine:
             uniform=torch.zeros(n, dtype=cdf_dtype(device), device=device),
             out=torch.zeros(n, 2, dtype=torch.float64, device=device),
             host=(_HostSide.create(n, device), _HostSide.create(n, device)))
+        if device.type == "cuda" and any(fn.failure is None for fn in self._functions.values()
+                                         if isinstance(fn, Compiled)):
+            self.warm_buckets()
+
+    def warm_buckets(self) -> None:
+        """Run the decode step once for every batch bucket, at the shortest length, with no row holding a slot (it
+        changes no slot's state). Why: the compiled step's kernels are generated per size class (Triton specializes
+        them by divisibility), and a bucket that a few stray rows reach late — one episode whose turn ended early,
+        decoding alone — then paid ~100 ms for its first step while every other row waited (H200)."""
+        self.allocate()
+        if bool(self._state.live.any()):
+            raise RuntimeError("warm_buckets runs before any row holds a slot")
+        length = min(self.length_step, self.max_cache_len)
+        for rows in batch_buckets(self.max_slots):
+            self._run_decode(rows, length, "greedy")
 
     def release(self) -> None:
         """Drop the KV cache, buffers and graphs (they come back on the next prefill, or `allocate`)."""

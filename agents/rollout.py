@@ -350,12 +350,13 @@ class _Progress:
 
         self.bar = tqdm(total=total, desc="rollout", unit="ep", leave=False, dynamic_ncols=True, mininterval=1.0,
                         disable=None)  # None: no bar when the output is not a terminal (logs, CI)
-        self.successes = 0
+        self.finished = self.successes = 0  # counted here: a disabled bar (no terminal) counts nothing
 
     def __call__(self, record: EpisodeRecord) -> None:
+        self.finished += 1
         self.successes += record.success
         self.bar.update(1)
-        self.bar.set_postfix(success=f"{self.successes / self.bar.n:.2f}")
+        self.bar.set_postfix(success=f"{self.successes / self.finished:.2f}")
 
     def close(self) -> None:
         self.bar.close()

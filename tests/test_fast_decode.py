@@ -24,8 +24,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen3Config, Qwen3ForCausalLM)
 
 from agents import compiling
-from agents.fast_decode import (COMPILED_FUNCTIONS, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable, batch_buckets, bucket_for,
-                                decoder_layout, prefill_groups, sample_tokens)
+from agents.fast_decode import (COMPILED_FUNCTIONS, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
+                                batch_buckets, bucket_for, decoder_layout, prefill_groups, sample_tokens)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -580,10 +580,13 @@ def fresh_compilations(monkeypatch):
     torch._dynamo.reset()
 
 
-def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEngine]:
-    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48."""
+def engine_steps(model, compile: bool, modes=("sample",), warm: bool = False) -> tuple[list, SlotEngine]:
+    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48. `warm`:
+    `SlotEngine.warm_buckets` first."""
     engine = SlotEngine(model, decoder_layout(model), max_slots=4, max_cache_len=96, vocab_size=VOCAB,
                         cuda_graphs=False, compile=compile, length_step=16)
+    if warm:
+        engine.warm_buckets()
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
     rng = random.Random(0)
     with torch.no_grad():
@@ -594,6 +597,14 @@ def engine_steps(model, compile: bool, modes=("sample",)) -> tuple[list, SlotEng
             need = max(engine.slot_lengths()[:rows]) + 1
             out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
     return out, engine
+
+
+def test_warming_the_buckets_changes_no_rows_outputs_and_needs_free_slots(model):
+    warmed, engine = engine_steps(model, compile=False, modes=SAMPLING_MODES, warm=True)
+    plain, _ = engine_steps(model, compile=False, modes=SAMPLING_MODES)
+    assert warmed == plain
+    with pytest.raises(RuntimeError, match="before any row holds a slot"):
+        engine.warm_buckets()  # its rows still hold their slots
 
 
 @CPU_INDUCTOR
