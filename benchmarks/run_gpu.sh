@@ -1,6 +1,8 @@
 #!/bin/bash
 # The GPU measurements behind the README's figures, in the groups they were run (each fits a 10-minute call).
-#   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout | CUDA tests + RL step
+#   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout (env work in 4
+#                                        # processes, then in one) | CUDA tests + RL step
+#   python3 benchmarks/profile_rollout.py --batch 256 --timeline --env-processes 4   # where the driver loses time
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2
 #   bash benchmarks/run_gpu.sh driver    # 2 GPUs: bench_rollout | the driver with HFPolicy's defaults, with
@@ -18,10 +20,13 @@ fi
 mkdir -p "$OUT"
 
 single_gpu0() {
-  timeout 210 python3 benchmarks/gpu_engine_check.py --quick --out "$OUT/gpu_engine_check.json" \
+  timeout 200 python3 benchmarks/gpu_engine_check.py --quick --out "$OUT/gpu_engine_check.json" \
     > "$OUT/gpu_engine_check.txt" 2>&1; echo "gpu_engine_check rc=$?"
-  timeout 220 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 \
-    --new-tokens 128 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "bench_rollout rc=$?"
+  timeout 260 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 \
+    --new-tokens 128 --env-processes 4 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "bench_rollout rc=$?"
+  timeout 150 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 \
+    --new-tokens 128 --no-hf-static --out "$OUT/rollout_inprocess.json" > "$OUT/rollout_inprocess.txt" 2>&1
+  echo "bench_rollout (env work in this process) rc=$?"
 }
 
 single_gpu1() {
