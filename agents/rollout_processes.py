@@ -40,8 +40,7 @@ from mt_env.collector import collector_paused
 from mt_env.turn import ModelTurn
 
 from .policy import Policy, PolicyError, SamplingParams
-from .rollout import (EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, _Progress, episode_ids,
-                      rollout_result)
+from .rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, _Progress, episode_ids, rollout_result
 
 
 class EnvProcessError(RuntimeError):

@@ -2,8 +2,8 @@
 (scripted and HF policies, GRPO groups), with the same failure rules — an episode failing in an env process, a
 dying policy, a generation timeout — and a dead env process reported by its exit code, never a hang.
 
-Starting an env process costs seconds (a fresh interpreter importing the envs and their tokenizer), so most tests share one
-driver, and the module is one xdist group (its processes are started once)."""
+Starting an env process costs seconds (a fresh interpreter importing the envs and their tokenizer), so most tests
+share one driver, and the module is one xdist group (its processes are started once)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import os
 import threading
 
 import pytest
-import torch
 
 from agents.hf_policy import HFPolicy
 from agents.policy import Policy, PolicyError, SamplingParams
@@ -21,10 +20,10 @@ from agents.rollout import EpisodeState, RolloutDriver
 from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
-from trainers.modeling import build_causal_lm
 
 from .process_envs import EXITS, FAILS, GoOn, Troubled
-from .test_rollout import TINY, expert, operands_of, run
+from .test_rollout import expert, operands_of, run
+from .test_rollout import fmt, model, one_torch_thread  # noqa: F401  (its fixtures)
 
 pytestmark = pytest.mark.xdist_group("rollout_processes")
 
@@ -37,7 +36,7 @@ class Expert(Policy):
     generation; raises PolicyError on the operands `dies_on`. Logs each generation's end (``done``/``cancelled``
     with its operands) and counts those in flight."""
 
-    def __init__(self, fmt):
+    def __init__(self, fmt):  # noqa: F811
         self.fmt = fmt
         self.scripted = ScriptedPolicy(expert(fmt))
         self.latency = lambda operands: 0.0
@@ -78,14 +77,7 @@ def tasks_for(*operands) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def fmt(qwen25):
-    env = CalculatorEnv(tokenizer=qwen25)
-    env.reset(seed=0)
-    return env.conversation.fmt
-
-
-@pytest.fixture(scope="module")
-def shared(qwen25, fmt):
+def shared(qwen25, fmt):  # noqa: F811  (fixtures imported from test_rollout)
     """One driver of 2 env processes over `Troubled` envs and an `Expert` policy, for the tests that can share it."""
     policy = Expert(fmt)
     driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, processes=2,
@@ -119,15 +111,7 @@ def test_scripted_rollouts_equal_the_in_process_drivers(qwen25, expert_driver):
     assert sum(result.metrics[k] for k in ("time/generation_s", "time/tools_s", "time/bookkeeping_s")) > 0
 
 
-@pytest.fixture(scope="module")
-def model(qwen25):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # see tests/test_rollout.py: one thread on a small shared CPU
-    yield build_causal_lm(config=dict(TINY, max_position_embeddings=2048), vocab_size=len(qwen25)).eval()
-    torch.set_num_threads(threads)
-
-
-def test_sampled_hf_rollouts_equal_the_in_process_drivers(qwen25, model):
+def test_sampled_hf_rollouts_equal_the_in_process_drivers(qwen25, model):  # noqa: F811
     """Every request carries its own seed, so the engine samples the same tokens however the requests are
     batched; the logprobs agree up to the float rounding that batch composition changes."""
     tasks, sampling = tasks_for([12, 34], [5, 6, 7], [99, 1]), SamplingParams(temperature=1.0, max_new_tokens=8)
@@ -218,7 +202,7 @@ def test_a_dead_env_process_fails_the_rollout_then_new_ones_start(expert_driver)
 
 
 # --------------------------------------------------------------------------------------------- arguments
-def test_bad_arguments_are_refused_clearly(qwen25, fmt, expert_driver):
+def test_bad_arguments_are_refused_clearly(qwen25, fmt, expert_driver):  # noqa: F811
     driver, _ = expert_driver
     with pytest.raises(ValueError, match="processes must be >= 1"):
         ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), ScriptedPolicy(expert(fmt)), processes=0)
