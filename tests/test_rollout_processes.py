@@ -22,8 +22,7 @@ from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 
 from .process_envs import EXITS, FAILS, GoOn, Troubled
-from .test_rollout import expert, operands_of, run
-from .test_rollout import fmt, model, one_torch_thread  # noqa: F401  (its fixtures)
+from .test_rollout import expert, fmt, model, one_torch_thread, operands_of, run  # noqa: F401  (its fixtures)
 
 pytestmark = pytest.mark.xdist_group("rollout_processes")
 
