@@ -11,12 +11,14 @@ needs the trainer's module) generates and the ModelTurn goes back. This process 
 What stays the same as one `RolloutDriver` with the same seed: every episode's seed, sampling seeds, records,
 samples and metrics (the engine's tokens depend only on each request's own seed), the failure rules (an episode
 that fails is kept, untrainable; a `PolicyError` — the engine died — fails the whole rollout), generation timeouts
-and cancellation. Differences: the env must be picklable by cloudpickle (a registered Gymnasium id, a class, a
-function or lambda that builds one); `time/*` is the mean of the processes' splits; and a process that dies fails
-the rollout with its exit code (the processes are started again by the next rollout).
+and cancellation (a share that fails cancels the others at once). Differences: the env must be picklable by
+cloudpickle (a registered Gymnasium id, a class, a function or lambda that builds one; else a TypeError says so);
+`time/*` is the mean of the processes' splits; and a process that dies fails the rollout with its exit code. The
+processes still playing when a rollout fails are stopped; the next rollout starts new ones.
 
 Processes are started on first use (``spawn``: nothing of this process's threads or CUDA state is inherited) and
-live until `close`; each keeps its envs between rollouts, as `RolloutDriver` keeps its pool.
+live until `close` (a later rollout starts them again); each keeps its envs between rollouts, as `RolloutDriver`
+keeps its pool.
 """
 
 from __future__ import annotations
@@ -37,9 +39,8 @@ import gymnasium as gym
 from mt_env.collector import collector_paused
 from mt_env.turn import ModelTurn
 
-from .policy import Policy, SamplingParams
-from .rollout import (EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, _Progress, episode_ids,
-                      rollout_result)
+from .policy import Policy, PolicyError, SamplingParams
+from .rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, _Progress, episode_ids, rollout_result
 
 
 class EnvProcessError(RuntimeError):
@@ -76,8 +77,13 @@ class ProcessRolloutDriver:
         self.processes = processes
         self.progress = progress
         per_process = max(1, -(-max_concurrency // processes))
-        self._spec = cloudpickle.dumps(_DriverSpec(env, env_kwargs, self.sampling, per_process,
-                                                   generation_timeout_s, seed))
+        try:
+            self._spec = cloudpickle.dumps(_DriverSpec(env, env_kwargs, self.sampling, per_process,
+                                                       generation_timeout_s, seed))
+        except Exception as e:
+            raise TypeError(f"the env of a ProcessRolloutDriver must be picklable by cloudpickle (a registered "
+                            f"Gymnasium id, a class, or a function that builds the env), and {env!r} with "
+                            f"env_kwargs {env_kwargs!r} is not: {type(e).__name__}: {e}") from e
         self._workers: list[_EnvProcess] = []
 
     def run(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
@@ -95,28 +101,40 @@ class ProcessRolloutDriver:
         try:
             workers = self._started()
             with collector_paused():  # as in RolloutDriver.play: no full collection stalls the engine meanwhile
-                outcomes = await asyncio.gather(
-                    *(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step, sampling, self.policy,
-                             progress) for w, share in zip(workers, shares) if share), return_exceptions=True)
+                async with asyncio.TaskGroup() as group:  # the first failure cancels the other shares at once
+                    plays = [group.create_task(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step,
+                                                      sampling, self.policy, progress))
+                             for w, share in zip(workers, shares) if share]
+        except BaseException as e:  # a failure, or this rollout cancelled: the processes still playing are stopped
+            self._stop([w for w in self._workers if not w.idle])  # (their state is unknown)
+            if isinstance(e, BaseExceptionGroup):  # raise a dead policy's error as it is, as RolloutDriver does
+                raise (e.subgroup(PolicyError) or e).exceptions[0] from None
+            raise
         finally:
             if progress is not None:
                 progress.close()
-        failures = [o for o in outcomes if isinstance(o, BaseException)]
-        if failures:
-            self._stop([w for w in self._workers if not w.idle])  # mid-rollout: their state is unknown
-            raise failures[0]
+        outcomes = [p.result() for p in plays]
         by_id = {r.id: r for records, _ in outcomes for r in records}
         spent = sum((Counter({k: v / len(outcomes) for k, v in s.items()}) for _, s in outcomes), Counter())
         return rollout_result([by_id[e] for e in ids], time.perf_counter() - start, spent)
 
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the env processes started and not stopped."""
+        return [w.process.pid for w in self._workers]
+
     def close(self) -> None:
-        """Stop the env processes (their envs are closed first)."""
+        """Stop the env processes (their envs are closed first); a later rollout starts new ones."""
         self._stop(self._workers)
 
     def _started(self) -> list[_EnvProcess]:
+        """The env processes, those missing started: all of them first, then each sent the driver's spec (which
+        waits for the process to read it), so that they import their modules side by side."""
         self._workers = [w for w in self._workers if w.alive]
-        while len(self._workers) < self.processes:
-            self._workers.append(_EnvProcess(self._spec, len(self._workers)))
+        fresh = [_EnvProcess(len(self._workers) + k) for k in range(self.processes - len(self._workers))]
+        for w in fresh:
+            w.send_bytes(self._spec)
+        self._workers += fresh
         return self._workers
 
     def _stop(self, workers: list[_EnvProcess]) -> None:
@@ -132,11 +150,11 @@ class ProcessRolloutDriver:
 class _EnvProcess:
     """One env process, and this side of its pipe: runs a share of a rollout there and answers its generations."""
 
-    def __init__(self, spec: bytes, index: int):
+    def __init__(self, index: int):
         context = multiprocessing.get_context("spawn")
         self.conn, child = context.Pipe()
         self.index = index
-        self.process = context.Process(target=_env_process_main, args=(child, spec), name=f"mt_env-envs-{index}",
+        self.process = context.Process(target=_env_process_main, args=(child,), name=f"mt_env-envs-{index}",
                                        daemon=True)
         self.process.start()
         child.close()
@@ -208,13 +226,18 @@ class _EnvProcess:
             answers.pop(key, None)
 
     def _send(self, message: tuple) -> None:
+        self.send_bytes(pickle.dumps(message))
+
+    def send_bytes(self, data: bytes) -> None:
         try:
-            self.conn.send(message)
+            self.conn.send_bytes(data)
         except (BrokenPipeError, EOFError, OSError):
             pass  # the process is gone: its reader reports that
 
     def stop(self, wait: bool = True) -> None:
-        if self.process.is_alive():
+        """Have an idle process close its envs and exit; a process mid-rollout (which would not read that) is
+        terminated."""
+        if self.process.is_alive() and self.idle:
             self._send(("close",))
             if wait:
                 self.process.join(timeout=10)
@@ -259,11 +282,16 @@ class RemotePolicy(Policy):
                 future.set_exception(value)
 
 
-def _env_process_main(conn, spec: bytes) -> None:
-    """An env process: build the driver once, then play each share it is sent until told to close. Ctrl-C is the
-    driver's process's to handle (a trainer saves at the step boundary): here it is ignored."""
+def _env_process_main(conn) -> None:
+    """An env process: build the driver once (from the spec that comes first), then play each share it is sent
+    until told to close. Ctrl-C is the driver's process's to handle (a trainer saves at the step boundary): here
+    it is ignored."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    s: _DriverSpec = cloudpickle.loads(spec)
+    try:
+        s: _DriverSpec = cloudpickle.loads(conn.recv_bytes())
+    except Exception as e:  # e.g. the env's class cannot be imported here: the first rollout raises this
+        conn.send(("error", EnvProcessError(f"env process could not load its env: {type(e).__name__}: {e}")))
+        return
     policy = RemotePolicy(conn)
     driver = RolloutDriver(s.env, policy, s.sampling, env_kwargs=s.env_kwargs, max_concurrency=s.max_concurrency,
                            generation_timeout_s=s.generation_timeout_s, seed=s.seed)

@@ -62,6 +62,29 @@ def test_a_few_steps_end_to_end(tmp_path, variant):
     assert (tmp_path / "checkpoints" / "checkpoint_2").is_dir()
 
 
+def test_training_episodes_play_in_env_processes(tmp_path, monkeypatch):
+    """rollout.env_processes: the training driver is a ProcessRolloutDriver (the env factory travels by
+    cloudpickle); the steps log the usual rollout metrics."""
+    from agents.rollout_processes import ProcessRolloutDriver
+
+    played, arun = [], ProcessRolloutDriver.arun
+
+    async def counted(driver, tasks, *args, **kwargs):
+        played.append((driver.processes, len(driver.pids)))
+        return await arun(driver, tasks, *args, **kwargs)
+
+    monkeypatch.setattr(ProcessRolloutDriver, "arun", counted)
+    summary = run(tmp_path, "rollout.env_processes=2", "sft.steps=0", "eval.episodes=2", "threads=1")
+    assert summary["steps"] == 2
+    assert played == [(2, 0), (2, 2)]  # both steps' episodes, in the processes the first step started
+    steps = [r for r in metrics(tmp_path) if "actor/loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/episodes"] == 8 and r["rollout/failed"] == 0
+        assert r["rollout/completed"] + r["rollout/truncated"] == 8 and r["rollout/generated_tokens"] > 0
+        assert r["mismatch/logprob_abs_max"] < 1e-3 and "time/generation_s" in r
+
+
 def test_a_batch_without_trainable_tokens_is_skipped_not_crashed(tmp_path):
     summary = run(tmp_path / "skip", "env.budget.max_prompt_tokens=8", "sft.steps=0", steps=1)  # all over budget
     assert summary["steps"] == 1

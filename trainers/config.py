@@ -134,6 +134,8 @@ class RolloutConfig:
     max_new_tokens: int = option(256, "per assistant turn (also capped by the response budget)", ge=1)
     mode: ConversationMode = option("auto", "conversation mode (docs/masks.md)")
     max_batch_size: int = option(256, "hf backend: requests per forward pass", ge=1)
+    env_processes: int = option(0, "training episodes' env work in this many processes (agents.rollout_processes); "
+                                   "0: in the trainer's process (evaluation always plays there)", ge=0)
     engine_kwargs: dict = option(factory=dict, doc="extra arguments for sglang.Engine / the server client")
 
 

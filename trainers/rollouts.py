@@ -20,6 +20,7 @@ from accelerate import Accelerator
 
 from agents.policy import Policy, SamplingParams
 from agents.rollout import RolloutDriver, RolloutResult
+from agents.rollout_processes import ProcessRolloutDriver
 
 from .config import Config
 from .distributed import gathered_for_generation
@@ -29,7 +30,8 @@ from .setup import make_backend, sync_weights
 class LocalRollouts:
     """Episodes played in this process (see the module docstring)."""
 
-    def __init__(self, cfg: Config, accelerator: Accelerator, policy, lm, backend: Policy, driver: RolloutDriver,
+    def __init__(self, cfg: Config, accelerator: Accelerator, policy, lm, backend: Policy,
+                 driver: RolloutDriver | ProcessRolloutDriver,
                  eval_driver: RolloutDriver):
         self.cfg = cfg
         self.accelerator = accelerator
@@ -82,9 +84,10 @@ def make_rollouts(cfg: Config, accelerator: Accelerator, policy, lm, tokenizer, 
     sampling = SamplingParams(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, top_k=cfg.rollout.top_k,
                               max_new_tokens=cfg.rollout.max_new_tokens)
     rank, world = accelerator.process_index, accelerator.num_processes
-    driver = RolloutDriver(make_env, backend, sampling, seed=cfg.seed * 1000 + rank,
-                           progress=cfg.logging.progress and accelerator.is_main_process,
-                           max_concurrency=cfg.rollout.prompts_per_step // world * cfg.rollout.n)
+    train = dict(seed=cfg.seed * 1000 + rank, progress=cfg.logging.progress and accelerator.is_main_process,
+                 max_concurrency=cfg.rollout.prompts_per_step // world * cfg.rollout.n)
+    driver = (ProcessRolloutDriver(make_env, backend, sampling, processes=cfg.rollout.env_processes, **train)
+              if cfg.rollout.env_processes else RolloutDriver(make_env, backend, sampling, **train))
     eval_driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.seed * 1000 + 500 + rank,
                                 max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
     return LocalRollouts(cfg, accelerator, policy, lm, backend, driver, eval_driver)

@@ -1,0 +1,233 @@
+"""ProcessRolloutDriver: the env work in spawned processes gives what one RolloutDriver gives with the same seed
+(scripted and HF policies, GRPO groups), with the same failure rules — an episode failing in an env process, a
+dying policy, a generation timeout — and a dead env process reported by its exit code, never a hang.
+
+Starting an env process costs seconds (a fresh interpreter importing the envs and their tokenizer), so most tests
+share one driver, and the module is one xdist group (its processes are started once)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import threading
+
+import pytest
+
+from agents.hf_policy import HFPolicy
+from agents.policy import Policy, PolicyError, SamplingParams
+from agents.rollout import EpisodeState, RolloutDriver
+from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver
+from agents.scripted import ScriptedPolicy
+from envs.calculator import CalculatorEnv
+
+from .process_envs import EXITS, FAILS, GoOn, Troubled
+from .test_rollout import expert, fmt, model, one_torch_thread, operands_of, run  # noqa: F401  (its fixtures)
+
+pytestmark = pytest.mark.xdist_group("rollout_processes")
+
+SLOW = [77, 7]  # its generation takes 30 s in the driver's process (past the driver's timeout)
+TIMEOUT_S = 1.0
+
+
+class Expert(Policy):
+    """The driver's process's policy: the scripted calculator expert, with `latency(operands)` seconds per
+    generation; raises PolicyError on the operands `dies_on`. Logs each generation's end (``done``/``cancelled``
+    with its operands) and counts those in flight."""
+
+    def __init__(self, fmt):  # noqa: F811
+        self.fmt = fmt
+        self.scripted = ScriptedPolicy(expert(fmt))
+        self.latency = lambda operands: 0.0
+        self.dies_on = None
+        self.in_flight = 0
+        self.log: list[tuple[str, list[int]]] = []
+
+    async def generate(self, prompt_ids, params=None):
+        operands = operands_of(self.fmt, prompt_ids)
+        self.in_flight += 1
+        try:
+            await asyncio.sleep(self.latency(operands))
+            if operands == self.dies_on:
+                raise PolicyError("the engine died")
+            turn = await self.scripted.generate(prompt_ids, params)
+        except asyncio.CancelledError:
+            self.log.append(("cancelled", operands))
+            raise
+        finally:
+            self.in_flight -= 1
+        self.log.append(("done", operands))
+        return turn
+
+
+TIMING_FIELDS = {"finished_at", "generation_s", "tool_s"}
+
+
+def comparable(result) -> tuple[list[dict], dict]:
+    """The records (without their timings) and the metrics (without the timing ones) of a rollout."""
+    records = [{k: v for k, v in r.to_dict().items() if k not in TIMING_FIELDS} for r in result.episodes]
+    metrics = {k: v for k, v in result.metrics.items()
+               if not (k.startswith("time/") or k in ("rollout/wall_s", "rollout/gen_tokens_per_s"))}
+    return records, metrics
+
+
+def tasks_for(*operands) -> list[dict]:
+    return [CalculatorEnv.task_for(ops) for ops in operands]
+
+
+@pytest.fixture(scope="module")
+def shared(qwen25, fmt):  # noqa: F811  (fixtures imported from test_rollout)
+    """One driver of 2 env processes over `Troubled` envs and an `Expert` policy, for the tests that can share it."""
+    policy = Expert(fmt)
+    driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, processes=2,
+                                  generation_timeout_s=TIMEOUT_S)
+    yield driver, policy
+    driver.close()
+
+
+@pytest.fixture
+def expert_driver(shared):
+    """The shared driver, its policy reset to answer at once."""
+    driver, policy = shared
+    policy.latency, policy.dies_on = (lambda operands: 0.0), None
+    policy.log.clear()
+    return driver, policy
+
+
+# --------------------------------------------------------------------------------------------- same results
+def test_scripted_rollouts_equal_the_in_process_drivers(qwen25, expert_driver):
+    driver, policy = expert_driver
+    tasks = tasks_for([12, 34], [5, 6, 7], [99, 1], [2, 3, 4])
+    reference = RolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy,
+                              generation_timeout_s=TIMEOUT_S).run(tasks, n=3, step=4)
+    for _ in range(2):  # the second rollout on the envs the processes kept
+        result = driver.run(tasks, n=3, step=4)
+        assert comparable(result) == comparable(reference)
+        assert result.samples == reference.samples  # ids, masks, rewards, and the group and episode tags
+    assert [r.state for r in result.episodes] == [EpisodeState.COMPLETED] * 12
+    assert [(s.group, s.episode) for s in result.samples] == [(k // 3, k) for k in range(12)]
+    assert result.metrics["rollout/success_rate"] == 1.0
+    assert sum(result.metrics[k] for k in ("time/generation_s", "time/tools_s", "time/bookkeeping_s")) > 0
+
+
+def test_sampled_hf_rollouts_equal_the_in_process_drivers(qwen25, model):  # noqa: F811
+    """Every request carries its own seed, so the engine samples the same tokens however the requests are
+    batched; the logprobs agree up to the float rounding that batch composition changes."""
+    tasks, sampling = tasks_for([12, 34], [5, 6, 7], [99, 1]), SamplingParams(temperature=1.0, max_new_tokens=8)
+    make_env = functools.partial(GoOn, tokenizer=qwen25)
+    results = []
+    for make_driver in (functools.partial(RolloutDriver, make_env), functools.partial(ProcessRolloutDriver, make_env,
+                                                                                       processes=2)):
+        policy = HFPolicy(model, seed=0)
+        driver = make_driver(policy, sampling, seed=7)
+        try:
+            results.append(driver.run(tasks, n=2, step=3))
+        finally:
+            driver.close()
+            asyncio.run(policy.close())
+    reference, result = results
+    assert [r.turns for r in result.episodes] == [2] * 6
+    assert comparable(result) == comparable(reference)
+    for got, want in zip(result.samples, reference.samples, strict=True):
+        assert (got.ids, got.segments, got.group, got.episode) == (want.ids, want.segments, want.group, want.episode)
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    for g in range(3):  # the members of a group sampled different answers (their own seeds)
+        assert len({tuple(s.ids[s.prompt_len:]) for s in result.samples if s.group == g}) == 2
+
+
+# --------------------------------------------------------------------------------------------- failures
+def test_an_episode_failing_in_an_env_process_fails_alone(qwen25, expert_driver):
+    driver, _ = expert_driver
+    result = driver.run(tasks_for([12, 34], FAILS, [56, 78]), n=2)
+    failed = [r for r in result.episodes if r.id.group == 1]
+    assert all(r.state == EpisodeState.FAILED and r.error == "RuntimeError: the scorer broke on 13 * 13"
+               for r in failed)
+    assert all(r.state == EpisodeState.COMPLETED and r.success for r in result.episodes if r.id.group != 1)
+    assert result.metrics["rollout/failed"] == 2
+    for sample in result.samples:  # the failed episodes' tokens are kept, untrainable
+        assert sample.trainable == (sample.group != 1) and len(sample.ids) > sample.prompt_len
+
+
+def test_a_dying_policy_fails_the_whole_rollout_at_once_then_the_driver_works_again(expert_driver):
+    driver, policy = expert_driver
+    policy.dies_on = FAILS
+    policy.latency = lambda operands: 0.05 if operands == FAILS else 30.0  # the others are in flight meanwhile
+
+    async def rollout():
+        try:
+            await driver.arun(tasks_for([12, 34], FAILS, [56, 78]), n=2)
+        except PolicyError as e:
+            await asyncio.sleep(0)  # the cancelled generations' turn to end
+            return e, policy.in_flight
+
+    error, in_flight = run(rollout())  # not `run`'s timeout: the rollout did not wait for the others
+    assert isinstance(error, PolicyError) and str(error) == "the engine died"
+    assert in_flight == 0 and all(end == "cancelled" for end, _ in policy.log)  # none left running
+
+    policy.dies_on, policy.latency = None, lambda operands: 0.0
+    assert driver.run(tasks_for([12, 34], [56, 78]), n=2).metrics["rollout/completed"] == 4
+
+
+def test_a_timed_out_generation_fails_its_episode_and_is_cancelled_at_once(expert_driver):
+    driver, policy = expert_driver
+    neighbour = [5, 6, 7]  # three turns of half the timeout each: it ends after the slow ones time out
+    policy.latency = lambda operands: 30.0 if operands == SLOW else TIMEOUT_S / 2 if operands == neighbour else 0.0
+
+    async def rollout():
+        result = await driver.arun(tasks_for(SLOW, neighbour), n=2)
+        return result, policy.in_flight  # counted before this event loop's end cancels anything
+
+    result, in_flight = run(rollout())
+    for record in result.episodes:
+        if record.id.group == 0:
+            assert record.state == EpisodeState.FAILED and record.error == f"generation timed out after {TIMEOUT_S}s"
+        else:
+            assert record.state == EpisodeState.COMPLETED and record.turns == 3
+    assert in_flight == 0
+    # each slow generation was cancelled when its env process gave up on it, not at the end of the rollout
+    ends = [entry for entry in policy.log if entry[1] in (SLOW, neighbour)]
+    assert ends.count(("cancelled", SLOW)) == 2 and ("done", SLOW) not in ends
+    assert ends[-1] == ("done", neighbour)
+
+
+def test_a_dead_env_process_fails_the_rollout_then_new_ones_start(expert_driver):
+    driver, _ = expert_driver
+    before = driver.pids
+    with pytest.raises(EnvProcessError, match=r"env process \d died \(exit code 3\)"):
+        run(driver.arun(tasks_for([12, 34], EXITS, [56, 78], [5, 6])))
+    result = driver.run(tasks_for([12, 34], [56, 78], [5, 6]), n=2)
+    assert result.metrics["rollout/completed"] == 6
+    assert len(driver.pids) == 2 and set(driver.pids) != set(before)
+
+
+# --------------------------------------------------------------------------------------------- arguments
+def test_bad_arguments_are_refused_clearly(qwen25, fmt, expert_driver):  # noqa: F811
+    driver, _ = expert_driver
+    with pytest.raises(ValueError, match="processes must be >= 1"):
+        ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), ScriptedPolicy(expert(fmt)), processes=0)
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        driver.run(tasks_for([12, 34]), n=0)
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="must be picklable by cloudpickle.*cannot pickle '_thread.lock'"):
+        ProcessRolloutDriver(lambda: (lock, CalculatorEnv(tokenizer=qwen25))[1], ScriptedPolicy(expert(fmt)),
+                             processes=1)
+
+
+# --------------------------------------------------------------------------------------------- lifecycle
+def test_close_stops_the_processes_and_a_later_rollout_starts_new_ones(expert_driver):
+    driver, _ = expert_driver
+    driver.run(tasks_for([12, 34]), n=2)
+    started = driver.pids
+    assert len(started) == 2 and all(_alive(pid) for pid in started)
+    driver.close()
+    assert driver.pids == [] and not any(_alive(pid) for pid in started)
+    assert driver.run(tasks_for([12, 34]), n=2).metrics["rollout/completed"] == 2
+    assert len(driver.pids) == 2 and not set(driver.pids) & set(started)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
