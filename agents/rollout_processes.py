@@ -24,10 +24,13 @@ keeps its pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import multiprocessing
 import pickle
+import queue
 import signal
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -133,7 +136,7 @@ class ProcessRolloutDriver:
         self._workers = [w for w in self._workers if w.alive]
         fresh = [_EnvProcess(len(self._workers) + k) for k in range(self.processes - len(self._workers))]
         for w in fresh:
-            w.send_bytes(self._spec)
+            w.send_bytes(self._spec)  # queued: the processes import their modules side by side
         self._workers += fresh
         return self._workers
 
@@ -143,8 +146,9 @@ class ProcessRolloutDriver:
         self._workers = [w for w in self._workers if w not in workers]
 
     def __del__(self):
-        for w in getattr(self, "_workers", []):
-            w.stop(wait=False)
+        with contextlib.suppress(Exception):  # at interpreter exit, multiprocessing may be torn down already
+            for w in getattr(self, "_workers", []):
+                w.stop(wait=False)
 
 
 class _EnvProcess:
@@ -159,6 +163,11 @@ class _EnvProcess:
         self.process.start()
         child.close()
         self.idle = True
+        # This side never blocks on a write: a writer thread sends, so the event loop always goes on reading the
+        # process's messages — with both sides blocked in a write to a full pipe, neither would read again.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write, name=f"mt_env-envs-{index}-writer", daemon=True)
+        self._writer.start()
 
     @property
     def alive(self) -> bool:
@@ -229,10 +238,15 @@ class _EnvProcess:
         self.send_bytes(pickle.dumps(message))
 
     def send_bytes(self, data: bytes) -> None:
-        try:
-            self.conn.send_bytes(data)
-        except (BrokenPipeError, EOFError, OSError):
-            pass  # the process is gone: its reader reports that
+        """Queue `data` for the writer thread."""
+        self._outbox.put(data)
+
+    def _write(self) -> None:
+        while (data := self._outbox.get()) is not None:
+            try:
+                self.conn.send_bytes(data)
+            except (BrokenPipeError, EOFError, OSError):
+                return  # the process is gone: its reader reports that
 
     def stop(self, wait: bool = True) -> None:
         """Have an idle process close its envs and exit; a process mid-rollout (which would not read that) is
@@ -245,6 +259,9 @@ class _EnvProcess:
             self.process.terminate()
             if wait:
                 self.process.join(timeout=5)
+        self._outbox.put(None)
+        if wait:
+            self._writer.join(timeout=5)  # a write to a process gone fails at once
         self.conn.close()
 
 
