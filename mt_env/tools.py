@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import json
 import logging
 import math
 import time
@@ -50,7 +49,7 @@ from typing import Any
 from .checks import is_int, is_real
 from .errors import ToolConfigError, ToolError, TransientToolError
 from .isolation import ProcessInstance, check_isolatable, created_id, use_daemon_threads, watch_step
-from .parsers import ParseError, ToolCall
+from .parsers import TOOL_CALL_JSON, ParseError, ToolCall
 from .tool_schema import argument_error, arguments_validator, check_tool_schema, shorten
 
 __all__ = [
@@ -563,7 +562,7 @@ def _unpack_call(call: Any) -> tuple[str, dict, str | None]:
         raise ValueError('a tool call needs a string "name"')
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = TOOL_CALL_JSON.decode(arguments)
         except (ValueError, RecursionError) as e:
             raise ValueError(f"the arguments of {name!r} are not valid JSON: {shorten(str(e))}") from None
     return name, arguments, call.get("id")

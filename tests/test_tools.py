@@ -155,6 +155,14 @@ def test_openai_shaped_calls_and_call_ids_are_accepted():
     assert bad.error_kind == "parse" and "not valid JSON" in bad.text
 
 
+def test_string_arguments_are_read_as_the_parsers_read_json():
+    raw_newline = {"function": {"name": "echo", "arguments": '{"text": "a\nb"}'}}  # accepted, as by every parser
+    nan = {"function": {"name": "echo", "arguments": '{"text": "x", "delay": NaN}'}}  # not JSON
+    (result, bad), _ = run_episode([EchoTool()], [raw_newline, nan])
+    assert result.ok and result.text == "a\nb"
+    assert bad.error_kind == "parse" and bad.text == "Error: the arguments of 'echo' are not valid JSON: NaN is not valid JSON"
+
+
 # ------------------------------------------------------------------------------------------------ failures
 def test_unknown_tool():
     (result,), box = run_episode([EchoTool()], [ToolCall("search", {"q": "x"})])
