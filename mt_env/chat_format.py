@@ -31,10 +31,17 @@ ZERO_WIDTH_SPACE = "\u200b"
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def unencodable_at(text: str) -> int | None:
+    """The index of the first character of `text` that UTF-8 cannot encode (a surrogate), or None. The one scan for
+    such characters: `encodable` and `encodable_value` ask it too."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    return found.start() if found else None
+
+
 def encodable(text: str) -> tuple[str, int]:
     """`text` made encodable as UTF-8, and how many characters were replaced: a surrogate pair becomes its
     character, a lone surrogate becomes U+FFFD."""
-    if text.isascii() or not _SURROGATE.search(text):
+    if unencodable_at(text) is None:
         return text, 0
     fixed = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
     return fixed, fixed.count("\ufffd") - text.count("\ufffd")
@@ -56,18 +63,12 @@ def encodable_value(value: Any) -> tuple[Any, int]:
 
 def _all_encodable(value: Any) -> bool:
     if isinstance(value, str):
-        return value.isascii() or not _SURROGATE.search(value)
+        return unencodable_at(value) is None
     if isinstance(value, dict):
         return all(map(_all_encodable, value)) and all(map(_all_encodable, value.values()))
     if isinstance(value, list | tuple):
         return all(map(_all_encodable, value))
     return True
-
-
-def unencodable_at(text: str) -> int | None:
-    """The index of the first character of `text` that UTF-8 cannot encode (a lone surrogate), or None."""
-    found = None if text.isascii() else _SURROGATE.search(text)
-    return found.start() if found else None
 
 
 class ChatFormat:

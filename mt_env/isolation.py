@@ -9,7 +9,8 @@ event loop; the three ways a tool can escape it each have their answer here:
   episode's instance then lives in a `WorkerProcess`, a process that hosts a copy of the tool object and runs its
   lifecycle calls one at a time. A call that outlives its timeout kills the process; the call is a timeout error
   like any other, the episode goes on, and the next call of that episode gets a fresh process in which the
-  instance is created again with the same ``create_kwargs`` (its state is lost). Worker processes are forked from
+  instance is created again with the same ``create_kwargs`` (its state is lost) — before that call's timeout
+  starts, which covers the call's own work only. Worker processes are forked from
   a forkserver (never from the trainer process, whose threads make ``fork`` unsafe) and reused across episodes.
   This isolates hangs and crashes; it is not a security sandbox.
 * **A tool hung in a worker thread** (``await asyncio.to_thread(...)`` that never returns) times out for the model,
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import multiprocessing
 import pickle
@@ -33,7 +35,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from .errors import ToolConfigError, ToolError
@@ -347,7 +349,8 @@ async def _acquire(tool: Any) -> WorkerProcess:
 
 class ProcessInstance:
     """One episode's instance of an ``isolation: process`` tool: the tool's four lifecycle coroutines, run in a
-    worker process. The `ToolBox` calls it as it would call the tool; calls run one at a time, in call order."""
+    worker process. The `ToolBox` calls it as it would call the tool, each call inside `turn`; calls run one at a
+    time, in call order."""
 
     def __init__(self, tool: Any):
         self.tool = tool
@@ -357,10 +360,15 @@ class ProcessInstance:
         self._create_kwargs: dict = {}
         self._lock = asyncio.Lock()
 
-    async def start(self) -> None:
-        """Take a worker: an idle one, or a new one (bounded by `WORKER_START_TIMEOUT_S`, not the tool's timeout:
-        a first start also starts the forkserver)."""
-        self._worker = await _acquire(self.tool)
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """The instance's turn for one call: waits for the calls before it, then makes sure a live worker holds the
+        instance. The `ToolBox` enters it before the call's timeout starts: a call's timeout covers its own work,
+        never the wait, nor a worker's start (bounded by `WORKER_START_TIMEOUT_S`: a first start also starts the
+        forkserver), nor the instance created again after a kill (bounded by the tool's timeout of its own)."""
+        async with self._lock:
+            await self._ensure_worker()
+            yield
 
     async def create(self, instance_id: str | None = None, **create_kwargs: Any) -> Any:
         try:
@@ -379,35 +387,50 @@ class ProcessInstance:
 
     async def release(self, instance_id: str, **release_kwargs: Any) -> None:
         """Release the instance and give the worker back for another episode (if its process was killed, the
-        instance went with it)."""
-        try:
-            if self._worker is not None and self._worker.alive:
-                await self._call("release", (self._instance_id,), release_kwargs)
-        finally:
-            self._give_back()
+        instance went with it: no new worker is started to release it)."""
+        async with self._lock:
+            try:
+                if self._worker is not None and self._worker.alive:
+                    await self._call("release", (self._instance_id,), release_kwargs)
+            finally:
+                self._give_back()
 
     def _give_back(self) -> None:
         worker, self._worker, self._instance_id = self._worker, None, None
         if worker is not None and worker.alive:
             _idle.setdefault(self.tool, []).append(worker)
 
-    async def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        async with self._lock:
-            if self._worker is None or not self._worker.alive:
-                await self._restart()
-            try:
-                return await self._worker.call(method, args, kwargs)
-            finally:
-                if not self._worker.alive:
-                    self._worker = None
-
-    async def _restart(self) -> None:
-        """A new worker after the last one was killed, in which the episode's instance is created again."""
+    async def _ensure_worker(self) -> None:
+        """Take a worker (an idle one, or a new one) unless a live one is held; after a kill, create the episode's
+        instance again in it, with the same ``create_kwargs``."""
+        if self._worker is not None and self._worker.alive:
+            return
         self._worker = await _acquire(self.tool)
-        if self._instance_id is not None:
-            self.restarts += 1
-            created = await self._worker.call("create", (self._instance_id,), self._create_kwargs)
-            self._instance_id = created_id(created)
+        if self._instance_id is None:
+            return
+        self.restarts += 1
+        timeout = self.tool.settings.timeout
+        try:
+            created = await asyncio.wait_for(
+                self._worker.call("create", (self._instance_id,), self._create_kwargs), timeout)
+        except BaseException as e:
+            self._worker.kill()  # it holds no instance: the next call tries again in a new one
+            self._worker = None
+            if isinstance(e, TimeoutError):
+                raise ToolError(f"tool {self.tool.name!r} could not create its instance again in a new worker "
+                                f"process within {timeout}s") from None
+            raise
+        self._instance_id = created_id(created)
+
+    async def _call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        """``method`` in the worker; the caller holds the lock (`turn`)."""
+        if self._worker is None:
+            raise ToolError(f"tool {self.tool.name!r}: {method}() was called outside ProcessInstance.turn()")
+        try:
+            return await self._worker.call(method, args, kwargs)
+        finally:
+            if not self._worker.alive:
+                self._worker = None
 
 
 def created_id(created: Any) -> Any:

@@ -103,7 +103,7 @@ class ToolCallParser:
             return [ParseError("too_large", f"the tool call is {len(body)} characters, over the limit of "
                                             f"{self.max_call_chars}", raw)]
         try:
-            obj = _JSON.decode(body)
+            obj = TOOL_CALL_JSON.decode(body)
         except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError; deep nesting recurses
             return [ParseError("malformed_json", f"the tool call is not valid JSON: {shorten(str(e))}", raw)]
         if not isinstance(obj, list):
@@ -143,14 +143,15 @@ def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-#: The JSON reading of tool calls: raw control characters inside strings accepted, NaN and Infinity refused.
-_JSON = json.JSONDecoder(strict=False, parse_constant=_reject_constant)
+#: The one JSON reading of tool calls (every parser here, and `ToolBox` for string arguments): raw control characters
+#: inside strings accepted (models write literal tabs and newlines in code), NaN and Infinity refused.
+TOOL_CALL_JSON = json.JSONDecoder(strict=False, parse_constant=_reject_constant)
 
 
 def _json_object(text: str) -> dict | None:
     """`text` decoded when it is a JSON object, else None (a plain string stays a string)."""
     try:
-        value = _JSON.decode(text)
+        value = TOOL_CALL_JSON.decode(text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
@@ -267,7 +268,7 @@ class Llama3JsonParser(ToolCallParser):
         pos = 0
         while pos < len(body):
             try:
-                obj, end = _JSON.raw_decode(body, pos)
+                obj, end = TOOL_CALL_JSON.raw_decode(body, pos)
             except (ValueError, RecursionError) as e:
                 cut = finish_reason in CUT_FINISH_REASONS and isinstance(e, json.JSONDecodeError) and (
                     e.pos >= len(body) or e.msg.startswith("Unterminated"))
@@ -357,7 +358,7 @@ class SGLangParser(ToolCallParser):
         turn = ParsedTurn(content.strip())
         for item in items:
             try:
-                arguments = json.loads(item.parameters or "{}", parse_constant=_reject_constant)
+                arguments = TOOL_CALL_JSON.decode(item.parameters or "{}")  # raw text in some formats (kimi_k2)
             except (ValueError, RecursionError) as e:
                 turn.errors.append(ParseError("malformed_json", f"the arguments are not valid JSON: "
                                                                 f"{shorten(str(e))}", item.parameters or "", item.name))

@@ -33,8 +33,8 @@ threads that nothing waits for), and declare tools that may block anyway, or run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-import json
 import logging
 import math
 import time
@@ -49,7 +49,7 @@ from typing import Any
 from .checks import is_int, is_real
 from .errors import ToolConfigError, ToolError, TransientToolError
 from .isolation import ProcessInstance, check_isolatable, created_id, use_daemon_threads, watch_step
-from .parsers import ParseError, ToolCall
+from .parsers import TOOL_CALL_JSON, ParseError, ToolCall
 from .tool_schema import argument_error, arguments_validator, check_tool_schema, shorten
 
 __all__ = [
@@ -276,11 +276,10 @@ class ToolBox:
         use_daemon_threads(asyncio.get_running_loop())
 
         async def create(tool: BaseTool) -> None:
-            runner = self._runners[tool.name]
-            if isinstance(runner, ProcessInstance):
-                await runner.start()  # not part of the tool's timeout: starting a process takes what it takes
-            created = await _with_timeout(runner.create(None, **self._kwargs(tool.name, "create_kwargs")),
-                                          tool.settings.timeout, (tool.name, "create"))
+            async with self._turn(tool.name):  # a worker process's start is not part of the tool's timeout
+                created = await _with_timeout(
+                    self._runners[tool.name].create(None, **self._kwargs(tool.name, "create_kwargs")),
+                    tool.settings.timeout, (tool.name, "create"))
             created = created_id(created)
             if not isinstance(created, str):
                 raise TypeError(f"create() must return the instance id (a str), got {type(created).__name__}")
@@ -304,9 +303,10 @@ class ToolBox:
         async def reward(name: str, instance_id: str) -> float:
             tool = self.tools[name]
             try:
-                value = await _with_timeout(
-                    self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
-                    tool.settings.timeout, (name, "calc_reward"))
+                async with self._turn(name):
+                    value = await _with_timeout(
+                        self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
+                        tool.settings.timeout, (name, "calc_reward"))
                 if not is_real(value) or not math.isfinite(value):
                     raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
                 return float(value)
@@ -347,6 +347,12 @@ class ToolBox:
 
     def _kwargs(self, name: str, key: str) -> dict:
         return self.kwargs.get(name, {}).get(key, {})
+
+    def _turn(self, name: str) -> contextlib.AbstractAsyncContextManager:
+        """Entered before each lifecycle call's timeout starts: an isolated tool's `ProcessInstance.turn` (the wait
+        for the episode's earlier calls, a worker's start or restart), nothing for a tool that runs here."""
+        runner = self._runners[name]
+        return runner.turn() if isinstance(runner, ProcessInstance) else _NO_TURN
 
     # ------------------------------------------------------------------------------------------------ calls
     async def execute(self, call: ToolCall | ParseError | Mapping[str, Any]) -> ToolResult:
@@ -419,10 +425,11 @@ class ToolBox:
             while True:
                 attempts += 1
                 try:
-                    output = await _with_timeout(
-                        self._runners[name].execute(self.instances[name], arguments,
-                                                    **self._kwargs(name, "execute_kwargs")),
-                        settings.timeout, (name, "execute"))
+                    async with self._turn(name):
+                        output = await _with_timeout(
+                            self._runners[name].execute(self.instances[name], arguments,
+                                                        **self._kwargs(name, "execute_kwargs")),
+                            settings.timeout, (name, "execute"))
                     break
                 except _Timeout:
                     return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after "
@@ -467,6 +474,9 @@ async def _gather(coros: list, return_exceptions: bool = False) -> list:
         if return_exceptions:
             return [e]
         raise
+
+
+_NO_TURN = contextlib.nullcontext()
 
 
 class _Timeout(Exception):
@@ -552,7 +562,7 @@ def _unpack_call(call: Any) -> tuple[str, dict, str | None]:
         raise ValueError('a tool call needs a string "name"')
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments)
+            arguments = TOOL_CALL_JSON.decode(arguments)
         except (ValueError, RecursionError) as e:
             raise ValueError(f"the arguments of {name!r} are not valid JSON: {shorten(str(e))}") from None
     return name, arguments, call.get("id")

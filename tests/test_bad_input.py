@@ -6,10 +6,12 @@ from __future__ import annotations
 import gymnasium as gym
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
-from mt_env.chat_format import ChatFormat, encodable, encodable_value
+from mt_env.chat_format import ChatFormat, encodable, encodable_value, unencodable_at
 from mt_env.conversation import Conversation
 from mt_env.turn import ModelTurn
 from mt_env.errors import ChatFormatError
@@ -71,6 +73,49 @@ def test_encodable_replaces_lone_surrogates_and_joins_pairs():
     assert value == {"k\ufffd": ["\ufffd", {"x": ("\ufffd", 3)}], "ok": "fine"} and replaced == 3
     clean = {"a": ["b"]}
     assert encodable_value(clean)[0] is clean  # nothing to replace: nothing copied
+
+
+# Any code point, surrogates included, with lone halves, a split pair and an existing U+FFFD made likely.
+any_text = st.lists(st.one_of(st.characters(codec=None, exclude_categories=()),
+                              st.sampled_from([LONE, "\ud83d", "\ude00", "\ud83d\ude00", "\ufffd", "a"]))).map("".join)
+
+
+def utf8_encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def fixed_by_hand(text: str) -> tuple[str, int]:
+    """What `encodable` promises, character by character: a high + low surrogate pair joins, a lone half is U+FFFD."""
+    out, lone, i = [], 0, 0
+    while i < len(text):
+        c, after = text[i], text[i + 1:i + 2]
+        if "\ud800" <= c <= "\udbff" and "\udc00" <= after <= "\udfff":
+            out.append(chr(0x10000 + (ord(c) - 0xD800) * 0x400 + ord(after) - 0xDC00))
+            i += 2
+            continue
+        lone += "\ud800" <= c <= "\udfff"
+        out.append("\ufffd" if "\ud800" <= c <= "\udfff" else c)
+        i += 1
+    return "".join(out), lone
+
+
+@given(any_text, st.lists(any_text, max_size=3))
+def test_the_unencodable_helpers_agree_with_utf8_and_each_other(text, others):
+    at = unencodable_at(text)
+    assert (at is None) == utf8_encodes(text)
+    if at is not None:
+        assert utf8_encodes(text[:at]) and not utf8_encodes(text[at])
+    fixed, replaced = encodable(text)
+    assert (fixed, replaced) == fixed_by_hand(text) and unencodable_at(fixed) is None
+    value = {text: [*others, (text,)]}
+    expected = {fixed: [*(encodable(o)[0] for o in others), (fixed,)]}
+    assert encodable_value(value) == (expected, 2 * replaced + sum(encodable(o)[1] for o in others))
+    if all(unencodable_at(t) is None for t in [text, *others]):
+        assert encodable_value(value)[0] is value  # nothing to replace: nothing copied
 
 
 @pytest.mark.parametrize("tokenizer", [None, "offline:qwen2.5"])

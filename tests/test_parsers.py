@@ -348,6 +348,24 @@ def test_sglang_parser_without_sglang_says_how_to_install_it():
         get_parser("sglang:mistral", tools=SCHEMAS)
 
 
+# One call with a raw newline and tab in its argument string, in each format whose JSON mt_env decodes itself (sglang's
+# kimi_k2 detector hands the model's argument text on undecoded: ours reads it).
+RAW_CONTROL_TURNS = {
+    "hermes": '<tool_call>\n{"name": "lookup", "arguments": {"query": "a\nb\tc"}}\n</tool_call>',
+    "llama3_json": '{"name": "lookup", "parameters": {"query": "a\nb\tc"}}',
+    "sglang:kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.lookup:0<|tool_call_argument_begin|>"
+                      '{"query": "a\nb\tc"}<|tool_call_end|><|tool_calls_section_end|>',
+}
+
+
+@pytest.mark.parametrize("parser", RAW_CONTROL_TURNS)
+def test_a_raw_newline_in_an_argument_string_reads_the_same_in_every_parser(parser):
+    if parser.startswith("sglang:"):
+        pytest.importorskip("sglang.srt.function_call.function_call_parser", reason="needs sglang's parsers")
+    turn = get_parser(parser, tools=SCHEMAS).parse(RAW_CONTROL_TURNS[parser])
+    assert turn.errors == [] and [(c.name, c.arguments) for c in turn.calls] == [("lookup", {"query": "a\nb\tc"})]
+
+
 # ------------------------------------------------------------------------------------------------ properties
 TAGS = ["<tool_call>", "</tool_call>", "<think>", "</think>", "<|python_tag|>"]
 

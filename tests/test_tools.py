@@ -25,7 +25,7 @@ from mt_env.parsers import HermesParser, ToolCall, get_parser
 from mt_env.tools import BaseTool, ToolBox, ToolResponse, cap_calls
 from mt_env.vector import ToolVectorEnv
 
-from .uncooperative_tools import HANG_CAP_S, BlockingTool, ThreadTool
+from .uncooperative_tools import HANG_CAP_S, BlockingTool, SlowStartTool, ThreadTool
 
 
 def schema(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
@@ -153,6 +153,14 @@ def test_openai_shaped_calls_and_call_ids_are_accepted():
     (result, bad), _ = run_episode([EchoTool()], [call, {"name": "echo", "arguments": "{not json"}])
     assert result.ok and result.call_id == "abc" and result.text == "x"
     assert bad.error_kind == "parse" and "not valid JSON" in bad.text
+
+
+def test_string_arguments_are_read_as_the_parsers_read_json():
+    raw_newline = {"function": {"name": "echo", "arguments": '{"text": "a\nb"}'}}  # accepted, as by every parser
+    nan = {"function": {"name": "echo", "arguments": '{"text": "x", "delay": NaN}'}}  # not JSON
+    (result, bad), _ = run_episode([EchoTool()], [raw_newline, nan])
+    assert result.ok and result.text == "a\nb"
+    assert bad.error_kind == "parse" and bad.text == "Error: the arguments of 'echo' are not valid JSON: NaN is not valid JSON"
 
 
 # ------------------------------------------------------------------------------------------------ failures
@@ -638,6 +646,26 @@ def test_a_crashed_worker_is_an_error_observation_and_the_next_call_gets_a_fresh
     assert failed.error_kind == "exception" and failed.text.startswith("Error: refused in process ")  # as written
     assert after.ok and after.text.split()[0] == "a" and after.text.split()[1] != before.text.split()[1]
     assert box.counts["released"] == 1
+
+
+@pytest.mark.parametrize("same_turn", [False, True])
+def test_neither_a_restart_nor_the_wait_for_a_killed_call_is_part_of_the_next_calls_timeout(tmp_path, same_turn):
+    # A worker takes 0.8 s to start, the timeout is 0.3 s: the call after a hang that was killed only succeeds if its
+    # timeout covers its own work, not the restart (nor, in the same turn, the wait for the hung call before it).
+    tool = SlowStartTool({"isolation": "process", "timeout": 0.3, "start_s": 0.8})
+    hang = ToolCall("block", {"how": "sleep", "release": str(tmp_path / "never")})
+
+    async def episode():
+        async with ToolBox([tool]) as box:
+            await box.create_all({"block": {"create_kwargs": {"label": "a"}}})
+            if same_turn:
+                return await box.execute_many([hang, answer()]), box
+            return [await box.execute(hang), await box.execute(answer())], box
+
+    (hung, after), box = asyncio.run(episode())
+    assert hung.error_kind == "timeout"
+    assert after.ok and after.text.split()[0] == "a"  # answered by the instance created again in a new worker
+    assert box.counts["created"] == box.counts["released"] == 1
 
 
 @pytest.mark.parametrize("config, message", [

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import threading
 import time
@@ -55,6 +56,16 @@ class BlockingTool(BaseTool):
 
     async def release(self, instance_id, **release_kwargs):
         del self.labels[instance_id]
+
+
+class SlowStartTool(BlockingTool):
+    """A `BlockingTool` that a worker process takes ``config["start_s"]`` seconds to build (the parent process builds
+    its copy at once): every worker start, the first and each restart after a kill, is slow."""
+
+    def __init__(self, config=None, tool_schema=None):
+        super().__init__(config, tool_schema)
+        if multiprocessing.parent_process() is not None:  # in a worker process
+            time.sleep(self.config["start_s"])
 
 
 class ThreadTool(BaseTool):
