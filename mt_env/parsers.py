@@ -321,7 +321,8 @@ def _call_json(call: ToolCall | Mapping[str, Any], arguments_key: str) -> str:
 class SGLangParser(ToolCallParser):
     """Any format SGLang knows (``"mistral"``, ``"deepseekv3"``, ``"pythonic"``, ...), through its
     ``FunctionCallParser``. Needs the episode's tool schemas (SGLang drops calls to tools it was not given) and the
-    sglang package: ``pip install "mt-env[sglang]"``, or ``pip install --no-deps sglang`` for the parsers alone."""
+    sglang package with its dependencies: ``pip install "mt-env[sglang]"`` (its parser modules import much of its
+    server: ``pip install --no-deps sglang`` is not enough since sglang 0.5)."""
 
     def __init__(self, fmt: str, tools: Sequence[Mapping[str, Any]] | None = None,
                  max_call_chars: int = MAX_CALL_CHARS):
@@ -334,8 +335,7 @@ class SGLangParser(ToolCallParser):
                 from sglang.srt.openai_api.protocol import Function, Tool
         except ImportError as e:
             raise ImportError(
-                f"the 'sglang:{fmt}' parser needs sglang ({e}): pip install \"mt-env[sglang]\", or "
-                "pip install --no-deps sglang for its parsers alone"
+                f"the 'sglang:{fmt}' parser needs sglang with its dependencies ({e}): pip install \"mt-env[sglang]\""
             ) from e
         sglang_tools = [
             Tool(type="function", function=Function(name=t["function"]["name"],
@@ -356,6 +356,10 @@ class SGLangParser(ToolCallParser):
             return ParsedTurn(text.strip(), [], [ParseError("malformed_json", f"sglang could not parse the tool "
                                                                               f"calls: {shorten(str(e))}", text)])
         turn = ParsedTurn(content.strip())
+        if not items and content.strip() != text.strip():  # the detector took text and gave no call: say so
+            turn.errors.append(ParseError("malformed_json", f"sglang's {self.format!r} detector dropped part of the "
+                                                            f"turn without a tool call (e.g. JSON it could not "
+                                                            f"decode strictly)", text))
         for item in items:
             try:
                 arguments = TOOL_CALL_JSON.decode(item.parameters or "{}")  # raw text in some formats (kimi_k2)

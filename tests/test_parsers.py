@@ -344,7 +344,7 @@ def test_registry():
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed")
 def test_sglang_parser_without_sglang_says_how_to_install_it():
-    with pytest.raises(ImportError, match=r'pip install "mt-env\[sglang\]".*pip install --no-deps sglang'):
+    with pytest.raises(ImportError, match=r'needs sglang with its dependencies.*pip install "mt-env\[sglang\]"'):
         get_parser("sglang:mistral", tools=SCHEMAS)
 
 
@@ -364,6 +364,16 @@ def test_a_raw_newline_in_an_argument_string_reads_the_same_in_every_parser(pars
         pytest.importorskip("sglang.srt.function_call.function_call_parser", reason="needs sglang's parsers")
     turn = get_parser(parser, tools=SCHEMAS).parse(RAW_CONTROL_TURNS[parser])
     assert turn.errors == [] and [(c.name, c.arguments) for c in turn.calls] == [("lookup", {"query": "a\nb\tc"})]
+
+
+def test_a_call_sglangs_strict_detector_drops_is_an_error_not_silence():
+    """SGLang's mistral detector decodes strictly: a raw newline in an argument string makes it drop the call and its
+    text with no error of its own. The turn then says that something was dropped instead of reading as empty."""
+    pytest.importorskip("sglang.srt.function_call.function_call_parser", reason="needs sglang's parsers")
+    turn = get_parser("sglang:mistral", tools=SCHEMAS).parse('[TOOL_CALLS] [{"name": "lookup", "arguments": '
+                                                             '{"query": "a\nb"}}]')
+    assert turn.calls == [] and [e.kind for e in turn.errors] == ["malformed_json"]
+    assert "dropped part of the turn" in turn.errors[0].message
 
 
 # ------------------------------------------------------------------------------------------------ properties
