@@ -181,6 +181,18 @@ def policy_state_dict(checkpoint: Path) -> dict:
     return {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
 
 
+def load_policy_weights(lm, checkpoint: Path, model_from: str, state: dict | None = None) -> None:
+    """Load the policy's weights of `checkpoint` into `lm`, a Hugging Face model built from `model_from` (named in
+    the error): every key must match, except the output layer of a model that ties it to the embeddings (saved once,
+    as the embeddings). `state`: the checkpoint's `policy_state_dict`, when the caller has read it already."""
+    state = policy_state_dict(checkpoint) if state is None else state
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{checkpoint} does not match {model_from}: missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {unexpected[:5]}")
+
+
 def _merged_shards(directory: Path) -> dict:
     """A torch.distributed.checkpoint directory (what accelerate writes for FSDP's sharded state) as one state
     dict, in this process."""
