@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -170,6 +171,58 @@ def test_resume_skips_a_half_written_newest_checkpoint(tmp_path, capsys):
     assert f"skipped {half}: optimizer.bin is missing" in out
     assert "resuming from" in out and "(step 1)" in out
     assert training_steps(tmp_path) == [1, 2, 3]
+
+
+# --------------------------------------------------------------------------------------------- loading
+def saved_perturbed(run_dir: Path, tie: bool):
+    """A checkpoint whose weights differ from the fresh init that a model of the same config starts from."""
+    _, saver, tokenizer = tiny_trainer(run_dir, model={"tie_word_embeddings": tie})
+    with torch.no_grad():
+        for p in saver.lm.parameters():
+            p.add_(torch.randn_like(p))
+    return saver.lm, tokenizer, saver.save(RunState(step=1))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_checkpoint_loads_into_a_model_of_its_shape_only(tmp_path, tie):
+    """`load_policy_weights` (evaluate.py and export.py): every weight comes from the checkpoint, the output layer
+    of a tied model from its embeddings (saved once); a model of another shape is refused, naming the keys."""
+    from transformers import AutoModelForCausalLM
+
+    trained, _, checkpoint = saved_perturbed(tmp_path, tie)
+    where = re.escape(str(checkpoint))
+
+    def model(**changes):
+        return AutoModelForCausalLM.from_config(type(trained.config)(**trained.config.to_dict() | changes))
+
+    lm = model()
+    assert not torch.equal(lm.model.embed_tokens.weight, trained.model.embed_tokens.weight)
+    checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
+    assert lm.state_dict().keys() == trained.state_dict().keys()
+    assert all(torch.equal(v, trained.state_dict()[k]) for k, v in lm.state_dict().items())
+    with pytest.raises(RuntimeError, match=rf"^{where} does not match its config.json: missing \[\], "
+                                           rf"unexpected \['model.layers.1.input_layernorm.weight'"):
+        checkpoints.load_policy_weights(model(num_hidden_layers=1), checkpoint, "its config.json")
+    if tie:  # an untied model would keep its random output layer
+        with pytest.raises(RuntimeError, match=rf"^{where} does not match the recipe's model: missing "
+                                               rf"\['lm_head.weight'\], unexpected \[\]$"):
+            checkpoints.load_policy_weights(model(tie_word_embeddings=False), checkpoint, "the recipe's model")
+
+
+def test_evaluate_loads_a_checkpoint_that_matches_its_recipe(tmp_path):
+    """trainers/evaluate.py --checkpoint rebuilds the model from the recipe: a recipe whose model does not tie its
+    output layer, given a tied checkpoint, is refused before any episode (not evaluated with a random layer)."""
+    from trainers.evaluate import main as evaluate_main
+
+    _, _, checkpoint = saved_perturbed(tmp_path / "run", tie=True)
+    where = re.escape(str(checkpoint))
+    args = ["--config", "quickstart.yaml", "--checkpoint", str(tmp_path / "run"), "--episodes", "2",
+            "--out", str(tmp_path / "episodes.jsonl")]
+    tied = TINY[0].replace("}", ", tie_word_embeddings: true}")
+    assert evaluate_main([*args, "--set", tied])["episodes"] == 2
+    with pytest.raises(RuntimeError, match=rf"^{where} does not match the recipe's model: missing "
+                                           rf"\['lm_head.weight'\]"):
+        evaluate_main([*args, "--set", TINY[0]])
 
 
 # --------------------------------------------------------------------------------------------- metrics (10.3)

@@ -131,6 +131,13 @@ def scan(run_dir: Path) -> list[Found]:
     return sorted(found, key=lambda f: (f.step, f.problem is None))
 
 
+def complete_checkpoints(found: list[Found]) -> list[Path]:
+    """The complete checkpoints of a `scan`, oldest step first. The last is the run's newest complete checkpoint:
+    the one a run resumes from and the one its run directory stands for (`resolve`); the last ``keep_last`` are
+    the ones pruning keeps."""
+    return [f.path for f in found if f.problem is None]
+
+
 def read_state(checkpoint: Path) -> RunState:
     return RunState.from_json(json.loads((checkpoint / MANIFEST).read_text())["state"])
 
@@ -145,10 +152,10 @@ def resolve(path: str | Path) -> Path:
         if why:
             raise FileNotFoundError(f"{path} is not a complete checkpoint: {why}")
         return path
-    complete = [f for f in scan(path) if f.problem is None]
+    complete = complete_checkpoints(scan(path))
     if not complete:
         raise FileNotFoundError(f"{path}: no complete checkpoint in {path / 'checkpoints'}")
-    return complete[-1].path
+    return complete[-1]
 
 
 def policy_state_dict(checkpoint: Path) -> dict:
@@ -172,6 +179,18 @@ def policy_state_dict(checkpoint: Path) -> dict:
                                 f"{checkpoint}")
     state = {k.removeprefix("module."): v for k, v in state.items()}
     return {k.removeprefix("lm."): v for k, v in state.items() if k.startswith("lm.")}
+
+
+def load_policy_weights(lm, checkpoint: Path, model_from: str, state: dict | None = None) -> None:
+    """Load the policy's weights of `checkpoint` into `lm`, a Hugging Face model built from `model_from` (named in
+    the error): every key must match, except the output layer of a model that ties it to the embeddings (saved once,
+    as the embeddings). `state`: the checkpoint's `policy_state_dict`, when the caller has read it already."""
+    state = policy_state_dict(checkpoint) if state is None else state
+    missing, unexpected = lm.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"{checkpoint} does not match {model_from}: missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {unexpected[:5]}")
 
 
 def _merged_shards(directory: Path) -> dict:
@@ -203,7 +222,7 @@ def plan_run(cfg: Config) -> RunPlan:
     """Decide from the files alone (no process writes anything here): see the module docstring."""
     out = Path(cfg.output_dir)
     found = scan(out)
-    complete = [f for f in found if f.problem is None]
+    complete = complete_checkpoints(found)
     skipped = [f"skipped {f.path}: {f.problem}" for f in found if f.problem]
     resume = cfg.trainer.resume
     if resume not in (None, "auto"):
@@ -218,7 +237,7 @@ def plan_run(cfg: Config) -> RunPlan:
                           f"{' (' + '; '.join(skipped) + ')' if skipped else ''}; starting over would replace its "
                           f"metrics: start a new run with --set output_dir={_free_name(out)} (or delete {out})")
     else:
-        checkpoint = complete[-1].path
+        checkpoint = complete[-1]
     if checkpoint.resolve().parent.parent == out.resolve():
         _check_same_settings(cfg, out)
     state = read_state(checkpoint)
@@ -231,14 +250,14 @@ def plan_run(cfg: Config) -> RunPlan:
     return RunPlan(out, state, checkpoint, notes=[*skipped, f"resuming from {checkpoint} (step {state.step})"])
 
 
-def _checked_path(checkpoint: Path, out: Path, complete: list[Found]) -> Path:
+def _checked_path(checkpoint: Path, out: Path, complete: list[Path]) -> Path:
     """An explicit trainer.resume path: a complete checkpoint of this run (its newest), or a fork into a new dir."""
     why = problem(checkpoint) if checkpoint.is_dir() else "no such directory"
     if why:
         raise RunDirError(f"trainer.resume={checkpoint} is not a complete checkpoint: {why}")
     own = checkpoint.resolve().parent.parent == out.resolve()
-    if own and checkpoint.resolve() != complete[-1].path.resolve():
-        raise RunDirError(f"trainer.resume={checkpoint} is older than {out}'s newest checkpoint {complete[-1].path}: "
+    if own and checkpoint.resolve() != complete[-1].resolve():
+        raise RunDirError(f"trainer.resume={checkpoint} is older than {out}'s newest checkpoint {complete[-1]}: "
                           f"continuing from it here would mix two histories; fork it with "
                           f"--set output_dir={_free_name(out)}")
     if not own and _holds_run(out, complete):
@@ -247,7 +266,7 @@ def _checked_path(checkpoint: Path, out: Path, complete: list[Found]) -> Path:
     return checkpoint
 
 
-def _holds_run(out: Path, complete: list[Found]) -> bool:
+def _holds_run(out: Path, complete: list[Path]) -> bool:
     """A run worth keeping: a complete checkpoint, or metrics of RL steps. What comes before the first RL step (the
     SFT warm start, the first evaluation) is computed again, identically, by starting over."""
     if complete:
@@ -324,8 +343,8 @@ class Checkpointer:
             self.tokenizer.save_pretrained(tmp / HF_DIR)
             _write_manifest(tmp, state)
             _publish(tmp, final)
-            for old in [f for f in scan(self.dir.parent) if f.problem is None][:-self.keep_last]:
-                shutil.rmtree(old.path)
+            for old in complete_checkpoints(scan(self.dir.parent))[:-self.keep_last]:
+                shutil.rmtree(old)
         acc.wait_for_everyone()
         self.saved_step = state.step
         return final

@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
     tokenizer = make_tokenizer(cfg)
     lm, _ = make_models(cfg, tokenizer, device)
     if checkpoint is not None:
-        _load_policy_weights(lm, checkpoint)
+        checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
     make_eval_env = env_factory(cfg, tokenizer, eval_env=True)
     tasks = eval_tasks(cfg, make_eval_env().unwrapped)
     backend = make_backend(cfg, lm, tokenizer, weights_changed=checkpoint is not None)
@@ -117,13 +117,6 @@ def main(argv=None) -> dict:
     driver.close()
     asyncio.run(backend.close())  # stop the generation worker before the interpreter exits
     return summary
-
-
-def _load_policy_weights(lm: torch.nn.Module, checkpoint: Path) -> None:
-    """The policy's weights from a checkpoint written by trainers/ppo.py."""
-    missing, unexpected = lm.load_state_dict(checkpoints.policy_state_dict(checkpoint), strict=False)
-    if unexpected or [m for m in missing if "lm_head" not in m]:
-        raise RuntimeError(f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
 
 
 if __name__ == "__main__":

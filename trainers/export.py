@@ -43,11 +43,7 @@ def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
     state = checkpoints.policy_state_dict(source)
     config = AutoConfig.from_pretrained(hf)
     model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if unexpected or set(missing) - tied:
-        raise RuntimeError(f"{source} does not match its config.json: missing {sorted(set(missing) - tied)[:5]}, "
-                           f"unexpected {unexpected[:5]}")
+    checkpoints.load_policy_weights(model, source, "its config.json", state)
     if (hf / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(hf)
     out = Path(out)
