@@ -97,6 +97,11 @@ def test_run_plan_resume_rules(tmp_path):
         plan_run(load_config("quickstart.yaml", [f"output_dir={out}", f"trainer.resume={older}"]))
     fork = plan_run(load_config("quickstart.yaml", [f"output_dir={tmp_path / 'fork'}", f"trainer.resume={older}"]))
     assert fork.checkpoint == older and fork.state.step == 3
+    renamed = out / "checkpoints" / "best"  # complete, but not one the run wrote: a clear refusal, not an IndexError
+    shutil.copytree(older, renamed)
+    with pytest.raises(RunDirError, match=r"is inside .* but not one of its checkpoints .*--set output_dir="):
+        plan_run(load_config("quickstart.yaml", [f"output_dir={out}", f"trainer.resume={renamed}"]))
+    shutil.rmtree(renamed)
     done = plan_run(load_config("quickstart.yaml", [f"output_dir={out}", "trainer.total_steps=6"]))
     assert done.finished and "already holds a finished run: 6 steps" in done.notes[0] and "25.0%" in done.notes[0]
     # a file of the newest checkpoint is short: resume from the one before, and say why
@@ -207,6 +212,12 @@ def test_a_checkpoint_loads_into_a_model_of_its_shape_only(tmp_path, tie):
         with pytest.raises(RuntimeError, match=rf"^{where} does not match the recipe's model: missing "
                                                rf"\['lm_head.weight'\], unexpected \[\]$"):
             checkpoints.load_policy_weights(model(tie_word_embeddings=False), checkpoint, "the recipe's model")
+    else:  # a tied model would take the checkpoint's output layer as its embeddings
+        tied = model(tie_word_embeddings=True)
+        before = tied.model.embed_tokens.weight.clone()
+        with pytest.raises(RuntimeError, match=rf"^{where} has an output layer of its own; the recipe's model ties"):
+            checkpoints.load_policy_weights(tied, checkpoint, "the recipe's model")
+        assert torch.equal(tied.model.embed_tokens.weight, before)
 
 
 def test_evaluate_loads_a_checkpoint_that_matches_its_recipe(tmp_path):

@@ -186,6 +186,12 @@ def load_policy_weights(lm, checkpoint: Path, model_from: str, state: dict | Non
     the error): every key must match, except the output layer of a model that ties it to the embeddings (saved once,
     as the embeddings). `state`: the checkpoint's `policy_state_dict`, when the caller has read it already."""
     state = policy_state_dict(checkpoint) if state is None else state
+    if lm.config.tie_word_embeddings and "lm_head.weight" in state:  # loaded, it would overwrite the embeddings
+        embed = next(n for n, p in lm.named_parameters(remove_duplicate=False)
+                     if p is lm.get_input_embeddings().weight)
+        if embed in state and not state["lm_head.weight"].equal(state[embed]):
+            raise RuntimeError(f"{checkpoint} has an output layer of its own; {model_from} ties it to the "
+                               f"embeddings")
     missing, unexpected = lm.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
     if unexpected or set(missing) - tied:
@@ -256,6 +262,9 @@ def _checked_path(checkpoint: Path, out: Path, complete: list[Path]) -> Path:
     if why:
         raise RunDirError(f"trainer.resume={checkpoint} is not a complete checkpoint: {why}")
     own = checkpoint.resolve().parent.parent == out.resolve()
+    if own and not any(checkpoint.resolve() == c.resolve() for c in complete):
+        raise RunDirError(f"trainer.resume={checkpoint} is inside {out} but not one of its checkpoints (named "
+                          f"checkpoint_<step>): fork it with --set output_dir={_free_name(out)}")
     if own and checkpoint.resolve() != complete[-1].resolve():
         raise RunDirError(f"trainer.resume={checkpoint} is older than {out}'s newest checkpoint {complete[-1]}: "
                           f"continuing from it here would mix two histories; fork it with "
