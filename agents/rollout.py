@@ -194,7 +194,7 @@ class RolloutDriver:
     async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
         """Play every task `n` times (groups of `n` for GRPO), all concurrently; returns records and metrics."""
         sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
-        progress = _Progress(len(tasks) * n) if self.progress else None
+        progress = RolloutProgress(len(tasks) * n) if self.progress else None
         start = time.perf_counter()
         try:
             records, spent = await self.play(tasks, episode_ids(len(tasks), n), step, sampling, progress)
@@ -341,7 +341,7 @@ def rollout_result(records: list[EpisodeRecord], wall: float, spent: Counter) ->
     return RolloutResult(records, _metrics(records, wall, spent))
 
 
-class _Progress:
+class RolloutProgress:
     """A progress bar over episodes, with the share of the finished ones that succeeded (a callable for
     `RolloutDriver.play`'s `on_finished`)."""
 

@@ -40,10 +40,12 @@ import cloudpickle
 import gymnasium as gym
 
 from mt_env.collector import collector_paused
+from mt_env.errors import portable
 from mt_env.turn import ModelTurn
 
 from .policy import Policy, PolicyError, SamplingParams
-from .rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, _Progress, episode_ids, rollout_result
+from .rollout import (EpisodeId, EpisodeRecord, RolloutDriver, RolloutProgress, RolloutResult, episode_ids,
+                      rollout_result)
 
 
 class EnvProcessError(RuntimeError):
@@ -99,7 +101,7 @@ class ProcessRolloutDriver:
         sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
         ids = episode_ids(len(tasks), n)
         shares = [ids[k::self.processes] for k in range(self.processes)]
-        progress = _Progress(len(ids)) if self.progress else None
+        progress = RolloutProgress(len(ids)) if self.progress else None
         start = time.perf_counter()
         try:
             workers = self._started()
@@ -228,7 +230,7 @@ class _EnvProcess:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # raised in the env process, where the in-process driver would have seen it
-            self._send(("failed", key, _picklable(e)))
+            self._send(("failed", key, portable(e, EnvProcessError)))
         else:
             self._send(("turn", key, turn))
         finally:
@@ -324,7 +326,7 @@ def _env_process_main(conn) -> None:
             try:
                 records, spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling))
             except BaseException as e:
-                conn.send(("error", _picklable(e)))
+                conn.send(("error", portable(e, EnvProcessError)))
                 if not isinstance(e, Exception):
                     raise
             else:
@@ -346,12 +348,3 @@ async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, 
 def _slim(record: EpisodeRecord) -> EpisodeRecord:
     """What the progress bar reads of a finished episode (its samples and messages stay for the result)."""
     return EpisodeRecord(id=record.id, state=record.state, success=record.success)
-
-
-def _picklable(error: BaseException) -> BaseException:
-    """`error` if it survives pickling, else an EnvProcessError carrying its type and message."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return EnvProcessError(f"{type(error).__name__}: {error}")

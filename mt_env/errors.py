@@ -41,3 +41,14 @@ class ToolConfigError(MtEnvError):
 
 class CalculatorError(ToolError):
     """An expression the calculator refuses: bad syntax, division by zero, a number too large, ..."""
+
+
+def portable(error: BaseException, fallback: type[Exception] = RuntimeError) -> BaseException:
+    """`error` if it survives pickling (to be raised in another process), else a `fallback` saying what it was."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return fallback(f"{type(error).__name__}: {error}")

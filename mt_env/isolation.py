@@ -38,7 +38,7 @@ import weakref
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from .errors import ToolConfigError, ToolError
+from .errors import ToolConfigError, ToolError, portable
 
 __all__ = ["BLOCKING_WARNING_S", "DaemonThreadPool", "ProcessInstance", "WorkerProcess", "check_isolatable",
            "created_id", "use_daemon_threads", "watch_step"]
@@ -304,7 +304,7 @@ def _serve(conn, tool_class: type, config: dict, tool_schema: dict) -> None:
     try:
         tool = tool_class(config=config, tool_schema=tool_schema)
     except BaseException as e:
-        conn.send((False, _portable(e)))
+        conn.send((False, portable(e)))
         return
     conn.send((True, None))
     loop = asyncio.new_event_loop()
@@ -316,7 +316,7 @@ def _serve(conn, tool_class: type, config: dict, tool_schema: dict) -> None:
         try:
             reply = (True, loop.run_until_complete(getattr(tool, method)(*args, **kwargs)))
         except BaseException as e:
-            reply = (False, _portable(e))
+            reply = (False, portable(e))
         try:
             conn.send(reply)
         except Exception as e:
@@ -324,13 +324,6 @@ def _serve(conn, tool_class: type, config: dict, tool_schema: dict) -> None:
                                         f"{type(e).__name__}: {e}")))
 
 
-def _portable(error: BaseException) -> BaseException:
-    """`error` if it survives pickling, else a RuntimeError that says what it was."""
-    try:
-        pickle.loads(pickle.dumps(error))
-        return error
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 _idle: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tool object -> its idle WorkerProcesses
