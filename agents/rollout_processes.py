@@ -133,12 +133,12 @@ class ProcessRolloutDriver:
         self._stop(self._workers)
 
     def _started(self) -> list[_EnvProcess]:
-        """The env processes, those missing started: all of them first, then each sent the driver's spec (which
-        waits for the process to read it), so that they import their modules side by side."""
+        """The env processes, those missing started, each sent the driver's spec (through its writer thread: this
+        does not wait for the processes, which import their modules side by side)."""
         self._workers = [w for w in self._workers if w.alive]
         fresh = [_EnvProcess(len(self._workers) + k) for k in range(self.processes - len(self._workers))]
         for w in fresh:
-            w.send_bytes(self._spec)  # queued: the processes import their modules side by side
+            w.send_bytes(self._spec)
         self._workers += fresh
         return self._workers
 
