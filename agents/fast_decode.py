@@ -35,8 +35,8 @@ optimizer step the next token sees the new weights) through its own layer loop:
   mode) into a ``torch.cuda.CUDAGraph`` on that bucket's `CAPTURE_ON_USE`-th step (the first ones run uncaptured:
   a bucket that a few stray rows pass through once does not pay a capture), after a warm-up on a side stream,
   where compilation happens; all graphs share one memory pool, and their inputs and outputs are the engine's
-  persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a module
-  whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
+  persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a
+  module whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
   addresses (`SlotEngine.check_module`) and the graphs are captured again (checked before each prefill: weights
   change between generations). A step that cannot be captured runs eagerly (`SlotEngine.capture_failure`).
 * **Sampling** (`sample_tokens`): for the whole batch at once on the device: ``log_softmax(logits / T)`` (T = 1
@@ -81,7 +81,7 @@ from torch import nn
 
 from mt_env.collector import collector_paused
 
-from .compiling import COMPILE_COUNTS, Compiled, compiled
+from .compiling import COMPILE_COUNTS, compiled
 from .policy import GenerationError, SamplingParams
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -547,8 +547,7 @@ class SlotEngine:
             uniform=torch.zeros(n, dtype=cdf_dtype(device), device=device),
             out=torch.zeros(n, 2, dtype=torch.float64, device=device),
             host=(_HostSide.create(n, device), _HostSide.create(n, device)))
-        if device.type == "cuda" and any(fn.failure is None for fn in self._functions.values()
-                                         if isinstance(fn, Compiled)):
+        if device.type == "cuda" and self._functions["decode_layer"] is not decode_layer:  # a compiled step
             self.warm_buckets()
 
     def warm_buckets(self) -> None:
@@ -754,8 +753,8 @@ class SlotEngine:
     # ------------------------------------------------------------------------------------- CUDA graphs
     def _replay(self, key: tuple[int, int, str]) -> None:
         graph = self._graphs.get(key)
-        if graph is None and self._uses.setdefault(key, 0) < CAPTURE_ON_USE - 1:
-            self._uses[key] += 1
+        if graph is None and self._uses.get(key, 0) < CAPTURE_ON_USE - 1:
+            self._uses[key] = self._uses.get(key, 0) + 1
             self.stats["uncaptured_steps"] += 1
             self._run_decode(*key)
             return

@@ -84,9 +84,21 @@ from torch import nn
 
 from mt_env.turn import ModelTurn
 
-from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep, RowSampling, SlotEngine,
-                          SlotTable, UnsupportedModel, decoder_layout, module_device, prefill_groups, sample_tokens,
-                          sampling_mode)
+from .fast_decode import (
+    DEFAULT_MAX_CACHE_LEN,
+    PREFILL_TOKENS,
+    SAMPLING_MODES,
+    LaunchedStep,
+    RowSampling,
+    SlotEngine,
+    SlotTable,
+    UnsupportedModel,
+    decoder_layout,
+    module_device,
+    prefill_groups,
+    sample_tokens,
+    sampling_mode,
+)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
@@ -298,15 +310,16 @@ class HFPolicy(Policy):
         #: (padded_rows), computes a row-step for rows that ended at the step before (wasted_rows: overlapped
         #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays; a bucket's
         #: first steps run uncaptured: uncaptured_steps). Seconds: busy_s (the worker serving: from taking work
-        #: while idle until idle again), gather_s (gathering requests that trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on
-        #: CUDA enqueueing them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched
-        #: steps' outputs); the rest of busy_s is the worker's bookkeeping, with its waits to take the GIL back.
+        #: while idle until idle again), gather_s (gathering requests that trickle in to the idle worker),
+        #: prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing them, or capturing a
+        #: graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest of busy_s is
+        #: the worker's bookkeeping, with its waits to take the GIL back.
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
                                       "separate_batches": 0, "padded_rows": 0, "wasted_rows": 0,
                                       "compaction_moves": 0, "graph_captures": 0, "graph_replays": 0,
                                       "uncaptured_steps": 0, "module_reallocations": 0, "compilations": 0,
-                                      "compile_s": 0.0, "capture_failures": 0, "busy_s": 0.0, "gather_s": 0.0, "prefill_s": 0.0,
-                                      "launch_s": 0.0, "step_wait_s": 0.0}
+                                      "compile_s": 0.0, "capture_failures": 0, "busy_s": 0.0, "gather_s": 0.0,
+                                      "prefill_s": 0.0, "launch_s": 0.0, "step_wait_s": 0.0}
         cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
         self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)
         self.fast_path = self._engine is not None

@@ -26,7 +26,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -194,14 +194,8 @@ class RolloutDriver:
     async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
         """Play every task `n` times (groups of `n` for GRPO), all concurrently; returns records and metrics."""
         sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
-        progress = RolloutProgress(len(tasks) * n) if self.progress else None
-        start = time.perf_counter()
-        try:
-            records, spent = await self.play(tasks, episode_ids(len(tasks), n), step, sampling, progress)
-        finally:
-            if progress is not None:
-                progress.close()
-        return rollout_result(records, time.perf_counter() - start, spent)
+        return await timed_rollout(lambda ids, progress: self.play(tasks, ids, step, sampling, progress),
+                                   len(tasks), n, self.progress)
 
     async def play(self, tasks: Sequence[dict] | Mapping[int, dict], ids: Sequence[EpisodeId], step: int,
                    sampling: SamplingParams, on_finished: Callable[[EpisodeRecord], None] | None = None
@@ -233,8 +227,7 @@ class RolloutDriver:
                     for record in records:
                         group.create_task(one(record))
         except BaseExceptionGroup as eg:  # a dead policy, or an env that cannot be created: raise it as it is
-            dead = eg.subgroup(PolicyError)
-            raise (dead or eg).exceptions[0] from None
+            raise first_error(eg) from None
         finally:
             self._pool = [free.get_nowait() for _ in range(free.qsize())]
         clock._tick()
@@ -332,13 +325,29 @@ def episode_ids(groups: int, n: int) -> list[EpisodeId]:
     return [EpisodeId(g, i) for g in range(groups) for i in range(n)]
 
 
-def rollout_result(records: list[EpisodeRecord], wall: float, spent: Counter) -> RolloutResult:
-    """The rollout's result: its samples tagged with their group and episode (the driver alone knows which samples
-    belong together), and its metrics."""
+async def timed_rollout(play: Callable[[list[EpisodeId], Callable | None], Awaitable[tuple[list, Counter]]],
+                        groups: int, n: int, progress: bool) -> RolloutResult:
+    """What every driver's `arun` does around its own `play(ids, on_finished)`: the rollout's episodes, a progress
+    bar when asked, the wall time; then the result, its samples tagged with their group and episode (the driver
+    alone knows which samples belong together), and its metrics."""
+    ids = episode_ids(groups, n)
+    bar = RolloutProgress(len(ids)) if progress else None
+    start = time.perf_counter()
+    try:
+        records, spent = await play(ids, bar)
+    finally:
+        if bar is not None:
+            bar.close()
     for k, record in enumerate(records):
         for sample in record.samples:
             sample.group, sample.episode = record.id.group, k
-    return RolloutResult(records, _metrics(records, wall, spent))
+    return RolloutResult(records, _metrics(records, time.perf_counter() - start, spent))
+
+
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The error a rollout raises for the errors of its concurrent parts: a dead policy's (`PolicyError`) first, as
+    it is, else the first."""
+    return (group.subgroup(PolicyError) or group).exceptions[0]
 
 
 class RolloutProgress:

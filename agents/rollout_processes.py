@@ -31,7 +31,6 @@ import pickle
 import queue
 import signal
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,9 +42,8 @@ from mt_env.collector import collector_paused
 from mt_env.errors import portable
 from mt_env.turn import ModelTurn
 
-from .policy import Policy, PolicyError, SamplingParams
-from .rollout import (EpisodeId, EpisodeRecord, RolloutDriver, RolloutProgress, RolloutResult, episode_ids,
-                      rollout_result)
+from .policy import Policy, SamplingParams
+from .rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, first_error, timed_rollout
 
 
 class EnvProcessError(RuntimeError):
@@ -99,29 +97,29 @@ class ProcessRolloutDriver:
         """Play every task `n` times, the episodes dealt to the env processes; returns what `RolloutDriver.arun`
         returns for the same arguments."""
         sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
-        ids = episode_ids(len(tasks), n)
+        return await timed_rollout(lambda ids, progress: self._play(tasks, ids, step, sampling, progress),
+                                   len(tasks), n, self.progress)
+
+    async def _play(self, tasks: Sequence[dict], ids: list[EpisodeId], step: int, sampling: SamplingParams,
+                    on_finished: Callable[[EpisodeRecord], None] | None) -> tuple[list[EpisodeRecord], Counter]:
+        """`RolloutDriver.play` over the processes: each plays every `processes`-th episode."""
         shares = [ids[k::self.processes] for k in range(self.processes)]
-        progress = RolloutProgress(len(ids)) if self.progress else None
-        start = time.perf_counter()
         try:
             workers = self._started()
             with collector_paused():  # as in RolloutDriver.play: no full collection stalls the engine meanwhile
                 async with asyncio.TaskGroup() as group:  # the first failure cancels the other shares at once
                     plays = [group.create_task(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step,
-                                                      sampling, self.policy, progress))
+                                                      sampling, self.policy, on_finished))
                              for w, share in zip(workers, shares) if share]
         except BaseException as e:  # a failure, or this rollout cancelled: the processes still playing are stopped
             self._stop([w for w in self._workers if not w.idle])  # (their state is unknown)
             if isinstance(e, BaseExceptionGroup):  # raise a dead policy's error as it is, as RolloutDriver does
-                raise (e.subgroup(PolicyError) or e).exceptions[0] from None
+                raise first_error(e) from None
             raise
-        finally:
-            if progress is not None:
-                progress.close()
         outcomes = [p.result() for p in plays]
         by_id = {r.id: r for records, _ in outcomes for r in records}
         spent = sum((Counter({k: v / len(outcomes) for k, v in s.items()}) for _, s in outcomes), Counter())
-        return rollout_result([by_id[e] for e in ids], time.perf_counter() - start, spent)
+        return [by_id[e] for e in ids], spent
 
     @property
     def pids(self) -> list[int]:
