@@ -362,10 +362,12 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     seen = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) if batch.old_logprobs is None else None
     token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
+    # mini-batches per epoch, asked of the processes once (without old logprobs `single_update` found it is 1)
+    n_mini = 1 if batch.old_logprobs is None else minibatch_count(len(batch), accelerator, cfg)
     models.policy.train()
     optimizer_steps = 0
     for _ in range(cfg.trainer.epochs):
-        for minibatch in minibatches(batch, accelerator, cfg, generator):
+        for minibatch in minibatches(batch, accelerator, cfg, generator, n_mini):
             optimizer_steps += 1
             finite = True
             for k, (rows, weight) in enumerate(minibatch.micro):
@@ -438,14 +440,13 @@ class MiniBatch:
     norms: dict  #: the loss normalisers of the global mini-batch (see `algos.aggregate`)
 
 
-def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
-                generator: torch.Generator) -> Iterator[MiniBatch]:
-    """One epoch of shuffled mini-batches split into micro-batches, with what keeps DDP exact: every process runs
-    the same number of mini- and micro-batches (its empty slots run one row with weight 0, so the collectives line
-    up), and each process divides its loss by the global mini-batch's counts / processes — DDP averages the
-    gradients, so the result is exactly the gradient of the global mini-batch loss."""
+def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config, generator: torch.Generator,
+                n_mini: int) -> Iterator[MiniBatch]:
+    """One epoch of `n_mini` (`minibatch_count`) shuffled mini-batches split into micro-batches, with what keeps
+    DDP exact: every process runs the same number of mini- and micro-batches (its empty slots run one row with
+    weight 0, so the collectives line up), and each process divides its loss by the global mini-batch's counts /
+    processes — DDP averages the gradients, so the result is exactly the gradient of the global mini-batch loss."""
     t, world = cfg.trainer, accelerator.num_processes
-    n_mini = minibatch_count(len(batch), accelerator, cfg)
     order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
     splits = order.tensor_split(n_mini)
     micro = [list(rows.split(t.micro_batch_size)) or [rows] for rows in splits]
@@ -454,11 +455,11 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
                                      torch.tensor(float(len(m)), device=order.device)]).double()
                         for rows, m in zip(splits, micro)])
     everyone = (accelerator.gather(mine) if world > 1 else mine).reshape(world, n_mini, 3)
-    tokens, seqs, slots = everyone[..., 0].sum(0).tolist(), everyone[..., 1].sum(0).tolist(), everyone[..., 2].amax(0)
-    for k, rows in enumerate(splits):
-        norms = {"norm_tokens": tokens[k] / world, "norm_seqs": seqs[k] / world,
+    totals = torch.cat([everyone[..., :2].sum(0), everyone[..., 2:].amax(0)], -1).tolist()  # one read
+    for (tokens, seqs, slots), rows, own in zip(totals, splits, micro):
+        norms = {"norm_tokens": tokens / world, "norm_seqs": seqs / world,
                  "constant": cfg.env.budget.max_response_tokens}
-        padded = micro[k] + [rows[:0]] * (int(slots[k]) - len(micro[k]))
+        padded = own + [rows[:0]] * (int(slots) - len(own))
         yield MiniBatch([(m, 1.0) if m.numel() else (order[:1], 0.0) for m in padded], norms)
 
 
