@@ -24,11 +24,8 @@ from .test_trainer import TINY as TRAINER_TINY
 from .test_trainer import metrics as rows
 from .test_trainer import torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [*TRAINER_TINY, "algorithm.entropy_coef=0.01", "threads=1", "trainer.async_rollout=true"]
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="two-process gloo runs tested on Linux")
-
-
 
 
 # --------------------------------------------------------------------------------------------- config

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .conftest import subprocess_env
+from .conftest import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256, tie_word_embeddings=True)
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="multi-process gloo runs tested on Linux")

@@ -12,9 +12,8 @@ import torch
 from trainers.ppo import main as ppo_main
 from trainers.tracking import read_metrics
 
-from .conftest import subprocess_env
+from .conftest import ROOT, subprocess_env
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model.config={model_type: llama, hidden_size: 32, intermediate_size: 64, num_hidden_layers: 2, "
     "num_attention_heads: 4, num_key_value_heads: 2, max_position_embeddings: 512}",

@@ -155,7 +155,8 @@ def policy_loss(
 
     Dual-clip bounds the loss of negative-advantage tokens whose ratio exploded: ``min(max(l1, l2), -A * c)``.
     `is_weights` (truncated importance-sampling weights for rollout/trainer mismatch) multiply the per-token loss.
-    Inputs at masked-out positions are neutralised first, so a NaN there cannot reach the gradient.
+    Inputs at masked-out positions are neutralised first, so a NaN there cannot reach the gradient. The statistics
+    are 0-d tensors, left on the device: the caller reads them once per update, not once per micro-batch.
     """
     on = loss_mask > 0
     advantages = torch.where(on, advantages, torch.zeros_like(advantages))
@@ -175,16 +176,16 @@ def policy_loss(
         loss = loss * is_weights
     with torch.no_grad():
         stats = {
-            "actor/clip_frac": masked_mean(clipped, loss_mask).item(),
-            "actor/approx_kl": masked_mean(0.5 * log_ratio**2, loss_mask).item(),
-            "actor/ratio_mean": masked_mean(ratio, loss_mask).item(),
+            "actor/clip_frac": masked_mean(clipped, loss_mask),
+            "actor/approx_kl": masked_mean(0.5 * log_ratio**2, loss_mask),
+            "actor/ratio_mean": masked_mean(ratio, loss_mask),
         }
     return aggregate(loss, loss_mask, agg, **norms), stats
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, loss_mask: torch.Tensor,
                clip: float | None = 0.2, agg: str = "token-mean", **norms) -> tuple[torch.Tensor, dict]:
-    """Clipped value loss 0.5 * max((V - R)^2, (clip(V) - R)^2), masked."""
+    """Clipped value loss 0.5 * max((V - R)^2, (clip(V) - R)^2), masked; its statistics as `policy_loss`'s."""
     on = loss_mask > 0
     returns = torch.where(on, returns, values.detach())
     old_values = torch.where(on, old_values, values.detach())
@@ -193,8 +194,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         v_clipped = old_values + (values - old_values).clamp(-clip, clip)
         err = torch.maximum(err, (v_clipped - returns) ** 2)
     with torch.no_grad():
-        stats = {"critic/value_mean": masked_mean(values, loss_mask).item(),
-                 "critic/error": masked_mean((values - returns) ** 2, loss_mask).item()}
+        stats = {"critic/value_mean": masked_mean(values, loss_mask),
+                 "critic/error": masked_mean((values - returns) ** 2, loss_mask)}
     return 0.5 * aggregate(err, loss_mask, agg, **norms), stats
 
 

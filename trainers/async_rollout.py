@@ -182,13 +182,12 @@ def _weights(module: nn.Module) -> list[torch.Tensor]:
 
 
 def weights_checksum(module: nn.Module) -> int:
-    """An exact, order-independent fingerprint of the parameters' bits: the sum of their raw bits read as integers
-    (int64 sums are exact, so the same bits give the same number on any device)."""
+    """An exact, order-independent fingerprint of the parameters' bits: the sum of their raw bits read as integers,
+    in int64 (integer sums wrap the same way in any order, so the same bits give the same number on any device),
+    read from the device once."""
     as_int = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    total = 0
-    for tensor in _weights(module):
-        total += int(tensor.detach().contiguous().view(as_int[tensor.element_size()]).sum(dtype=torch.int64))
-    return total
+    sums = [t.detach().contiguous().view(as_int[t.element_size()]).sum(dtype=torch.int64) for t in _weights(module)]
+    return int(torch.stack(sums).sum())
 
 
 # --------------------------------------------------------------------------------------------- the trainer's side

@@ -356,30 +356,33 @@ def single_update(batch: TrainBatch, accelerator: Accelerator, cfg: Config) -> b
 def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Config, step: int) -> dict:
     """The masked, clipped PPO update: `epochs` passes of shuffled mini-batches, one optimizer step each, its
     gradient accumulated over micro-batches. Without `batch.old_logprobs` (`single_update`) the update's own
-    logprobs are the old ones; the rollout/trainer mismatch is then measured on them."""
+    logprobs are the old ones; the rollout/trainer mismatch is then measured on them. The statistics stay on the
+    device until the end (one read, no host sync per micro-batch)."""
     stats: dict[str, list] = {}
     seen = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) if batch.old_logprobs is None else None
     token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
+    # mini-batches per epoch, asked of the processes once (without old logprobs `single_update` found it is 1)
+    n_mini = 1 if batch.old_logprobs is None else minibatch_count(len(batch), accelerator, cfg)
     models.policy.train()
     optimizer_steps = 0
     for _ in range(cfg.trainer.epochs):
-        for minibatch in minibatches(batch, accelerator, cfg, generator):
+        for minibatch in minibatches(batch, accelerator, cfg, generator, n_mini):
             optimizer_steps += 1
             finite = True
             for k, (rows, weight) in enumerate(minibatch.micro):
                 last = k == len(minibatch.micro) - 1
                 with contextlib.nullcontext() if last else accelerator.no_sync(models.policy):
                     loss, terms, token_stats, logprobs = ppo_loss(batch[rows], models, cfg, minibatch.norms, weight)
-                    finite = finite and bool(torch.isfinite(loss))
+                    finite = torch.isfinite(loss) & finite
                     if seen is not None and weight:
                         seen[rows] = logprobs.float()
                     accelerator.backward(loss)
                 for key, value in terms.items():  # each micro-batch's share of the mini-batch loss, scaled up
-                    _add(stats, key, value * len(minibatch.micro))
-                n = float(batch.loss_mask[rows].sum()) * weight
+                    _add(stats, key, value.double() * len(minibatch.micro))
+                n = batch.loss_mask[rows].sum().double() * weight
                 for key, value in token_stats.items():
-                    token_sums[key] = token_sums.get(key, 0.0) + value * n
+                    token_sums[key] = token_sums.get(key, 0.0) + value.double() * n
                 tokens += n
             grad_norm = accelerator.clip_grad_norm_(models.trained_parameters(), cfg.trainer.max_grad_norm)
             if finite and torch.isfinite(grad_norm):
@@ -391,6 +394,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
                 _add(stats, "actor/skipped_updates", 1.0)
             for optimizer in models.optimizers():
                 optimizer.zero_grad(set_to_none=True)
+    stats = _read(stats)
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["actor/skipped_updates"] = float(sum(stats.get("actor/skipped_updates", [0.0])))
     out["actor/mini_batches"] = float(optimizer_steps)
@@ -402,8 +406,8 @@ def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: f
     """The loss of one micro-batch, as in CleanRL: clipped policy loss − entropy bonus + KL penalty + value loss
     (terms that are off are 0). Reduced with the mini-batch's global normalisers (`norms`), so micro-batch losses
     add up to the mini-batch loss; `weight` 0 runs an empty slot without effect. Without `mb.old_logprobs` the
-    policy's own logprobs, detached, are the old ones. Returns (loss, the loss terms, per-token statistics, the
-    logprobs detached)."""
+    policy's own logprobs, detached, are the old ones. Returns (loss, the loss terms detached, per-token
+    statistics, the logprobs detached); the terms and statistics as 0-d tensors on the device."""
     a = cfg.algorithm
     loss_mask = mb.loss_mask * weight
     aggregate = functools.partial(algos.aggregate, loss_mask=loss_mask, mode=a.loss_agg, **norms)
@@ -413,7 +417,7 @@ def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: f
     pg_loss, stats = algos.policy_loss(logprobs, old, mb.advantages, loss_mask, a.clip_low, a.clip_high,
                                        a.dual_clip, a.loss_agg, is_weights, **norms)
     if is_weights is not None:
-        stats["actor/tis_weight_mean"] = algos.masked_mean(is_weights, loss_mask).item()
+        stats["actor/tis_weight_mean"] = algos.masked_mean(is_weights, loss_mask)
     terms = {"actor/loss": pg_loss}  # the terms that are on
     if entropy is not None:
         terms["actor/entropy"] = aggregate(entropy)
@@ -427,7 +431,7 @@ def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: f
     zero = pg_loss.new_zeros(())
     entropy_bonus, kl, value_loss = (terms.get(k, zero) for k in ("actor/entropy", "actor/kl_ref", "critic/loss"))
     loss = pg_loss - a.entropy_coef * entropy_bonus + a.kl_coef * kl + a.value_coef * value_loss
-    return loss, {k: v.item() for k, v in terms.items()}, stats, logprobs.detach()
+    return loss, {k: v.detach() for k, v in terms.items()}, stats, logprobs.detach()
 
 
 @dataclass
@@ -436,14 +440,13 @@ class MiniBatch:
     norms: dict  #: the loss normalisers of the global mini-batch (see `algos.aggregate`)
 
 
-def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
-                generator: torch.Generator) -> Iterator[MiniBatch]:
-    """One epoch of shuffled mini-batches split into micro-batches, with what keeps DDP exact: every process runs
-    the same number of mini- and micro-batches (its empty slots run one row with weight 0, so the collectives line
-    up), and each process divides its loss by the global mini-batch's counts / processes — DDP averages the
-    gradients, so the result is exactly the gradient of the global mini-batch loss."""
+def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config, generator: torch.Generator,
+                n_mini: int) -> Iterator[MiniBatch]:
+    """One epoch of `n_mini` (`minibatch_count`) shuffled mini-batches split into micro-batches, with what keeps
+    DDP exact: every process runs the same number of mini- and micro-batches (its empty slots run one row with
+    weight 0, so the collectives line up), and each process divides its loss by the global mini-batch's counts /
+    processes — DDP averages the gradients, so the result is exactly the gradient of the global mini-batch loss."""
     t, world = cfg.trainer, accelerator.num_processes
-    n_mini = minibatch_count(len(batch), accelerator, cfg)
     order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
     splits = order.tensor_split(n_mini)
     micro = [list(rows.split(t.micro_batch_size)) or [rows] for rows in splits]
@@ -452,11 +455,11 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config,
                                      torch.tensor(float(len(m)), device=order.device)]).double()
                         for rows, m in zip(splits, micro)])
     everyone = (accelerator.gather(mine) if world > 1 else mine).reshape(world, n_mini, 3)
-    tokens, seqs, slots = everyone[..., 0].sum(0).tolist(), everyone[..., 1].sum(0).tolist(), everyone[..., 2].amax(0)
-    for k, rows in enumerate(splits):
-        norms = {"norm_tokens": tokens[k] / world, "norm_seqs": seqs[k] / world,
+    totals = torch.cat([everyone[..., :2].sum(0), everyone[..., 2:].amax(0)], -1).tolist()  # one read
+    for (tokens, seqs, slots), rows, own in zip(totals, splits, micro):
+        norms = {"norm_tokens": tokens / world, "norm_seqs": seqs / world,
                  "constant": cfg.env.budget.max_response_tokens}
-        padded = micro[k] + [rows[:0]] * (int(slots[k]) - len(micro[k]))
+        padded = own + [rows[:0]] * (int(slots) - len(own))
         yield MiniBatch([(m, 1.0) if m.numel() else (order[:1], 0.0) for m in padded], norms)
 
 
@@ -566,14 +569,22 @@ def _add(stats: dict, key: str, value: float) -> None:
     stats.setdefault(key, []).append(value)
 
 
-def _token_means(accelerator, sums: dict[str, float], tokens: float) -> dict[str, float]:
+def _read(stats: dict[str, list]) -> dict[str, list[float]]:
+    """`stats` with its 0-d tensors read from the device in one copy (numbers stay as they are)."""
+    tensors = [v for values in stats.values() for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack(tensors).tolist() if tensors else ())
+    return {k: [next(read) if isinstance(v, torch.Tensor) else v for v in values] for k, values in stats.items()}
+
+
+def _token_means(accelerator, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, float]:
     """Per-token statistics of the whole update over every process's tokens (what one process would log for the
-    global batch): one all-reduce of the token-weighted sums."""
+    global batch): one all-reduce of the token-weighted sums, one read."""
     keys = sorted(sums)
-    t = torch.tensor([sums[k] for k in keys] + [tokens], dtype=torch.float64, device=accelerator.device)
+    t = torch.stack([sums[k] for k in keys] + [torch.as_tensor(tokens, dtype=torch.float64)]).to(accelerator.device)
     if accelerator.num_processes > 1:
         t = accelerator.reduce(t, reduction="sum")
-    return {k: float(v) / max(float(t[-1]), 1.0) for k, v in zip(keys, t[:-1])}
+    *values, total = t.tolist()
+    return {k: v / max(total, 1.0) for k, v in zip(keys, values)}
 
 
 def _out_of_time(cfg: Config, start: float) -> bool:
