@@ -86,12 +86,13 @@ class MarkedPolicy(HFPolicy):
             ARRIVALS.append(time.perf_counter())
         return super()._accept(item)
 
+    def _gather(self):
+        with mark("gather", "worker"):
+            return super()._gather()
 
-for _name in ("_gather", "_collect"):
-    def _marked(self, *args, _method=getattr(HFPolicy, _name), _label=_name.strip("_"), **kwargs):
-        with mark(_label, "worker"):
-            return _method(self, *args, **kwargs)
-    setattr(MarkedPolicy, _name, _marked)
+    def _collect(self, launched):
+        with mark("collect", "worker"):
+            return super()._collect(launched)
 
 
 def _gc_timer():
