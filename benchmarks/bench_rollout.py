@@ -163,15 +163,16 @@ def measure(driver, policy: HFPolicy, tasks: list[dict], args, step: int) -> tup
             raise RuntimeError(f"{len(bad)} episode(s) did not play {TURNS} turns, e.g. {bad[0].to_dict()}")
         ends.update(rec.end_reason for rec in result.episodes)
         tokens = int(result.metrics["rollout/generated_tokens"])
+        work = turn_work(result)
         before = dict(policy.stats)
-        engine_wall, engine_tokens = asyncio.run(run_engine(policy, turn_work(result), args.temperature))
+        engine_wall, engine_tokens = asyncio.run(run_engine(policy, work, args.temperature))
         engine_passes = {k: policy.stats[k] - before[k] for k in before}
         assert engine_tokens == tokens
         driver_tok_s.append(tokens / driver_wall)
         engine_tok_s.append(engine_tokens / engine_wall)
         splits.append({k: result.metrics[k] for k in ("time/generation_s", "time/tools_s", "time/bookkeeping_s")}
                       | {"driver_wall_s": driver_wall, "engine_wall_s": engine_wall, "tokens": tokens,
-                         "driver_passes": driver_passes, "engine_passes": engine_passes, "work": turn_work(result)})
+                         "driver_passes": driver_passes, "engine_passes": engine_passes, "work": work})
     ratios = [a / b for a, b in zip(driver_tok_s, engine_tok_s)]
     median = sorted(range(args.repeats), key=lambda i: ratios[i])[(args.repeats - 1) // 2]  # the run of median ratio
     figures = splits[median]
@@ -277,12 +278,49 @@ def main():
     tokenizer = load_tokenizer(args.tokenizer)
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model, shape = build_model(args.model, args.device, len(tokenizer))
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
     largest = max(args.batch)
     fast_path = {"auto": "auto", "on": True, "off": False}[args.fast_path]
     knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
     policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer), fast_path=fast_path,
                       **knobs)
+    header = run_header(args, policy, shape, len(tokenizer))
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
+    driver = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, largest,
+                         args.env_processes)
+    tasks = make_tasks(largest)
+
+    # Warm-up: the env pool (chat formats, template checks) and the model's kernels; each size warms up again in
+    # `measure`, at its own shapes.
+    start = time.perf_counter()
+    warm = driver.run(tasks, step=10_000, max_new_tokens=1)
+    asyncio.run(run_engine(policy, turn_work(warm), args.temperature))
+    print(f"warm-up: {time.perf_counter() - start:.1f} s\n")
+    try:
+        rows = measure_sizes(driver, policy, tasks, args, header)
+    finally:
+        asyncio.run(policy.close())
+        driver.close()
+    report_end(rows, args, header)
+
+
+def make_tasks(n: int) -> list[dict]:
+    """`n` calculator tasks (two operands in 100..999), the same ones in every run."""
+    rng = np.random.default_rng(0)
+    return [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(n)]
+
+
+def make_driver(make_env, policy: HFPolicy, sampling: SamplingParams, concurrency: int, env_processes: int = 0):
+    """The driver measured: its env work in this process (`RolloutDriver`), or in `env_processes` processes
+    (`ProcessRolloutDriver`)."""
+    if env_processes:
+        return ProcessRolloutDriver(make_env, policy, sampling, processes=env_processes, max_concurrency=concurrency,
+                                    generation_timeout_s=None, seed=0)
+    return RolloutDriver(make_env, policy, sampling, max_concurrency=concurrency, generation_timeout_s=None, seed=0)
+
+
+def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
+    """The run's settings (the JSON's header), printed."""
+    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
     header = dict(command=shlex.join([sys.executable, *sys.argv]), device=device, torch=torch.__version__,
                   transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
                   tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
@@ -295,58 +333,41 @@ def main():
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} CPU thread(s)")
-    print("model:", ", ".join(f"{k} {v}" for k, v in shape.items()), f"(tokenizer {args.tokenizer}, {len(tokenizer)})")
+    print("model:", ", ".join(f"{k} {v}" for k, v in shape.items()), f"(tokenizer {args.tokenizer}, {vocab})")
     print(f"HFPolicy fast path: {policy.fast_path_reason}")
     print(f"decode step: {policy.compile_reason}")
     print(f"episodes: {TURNS} turns x {args.new_tokens} new tokens, temperature {args.temperature}; "
           f"batch sizes {args.batch}; {args.repeats} timed run(s) each; driver: "
           + (f"env work in {args.env_processes} processes" if args.env_processes else "env work in this process"))
+    return header
 
-    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
-    make_env = functools.partial(KeepGoingEnv, tokenizer=tokenizer)
-    if args.env_processes:
-        driver = ProcessRolloutDriver(make_env, policy, sampling, processes=args.env_processes,
-                                      max_concurrency=largest, generation_timeout_s=None, seed=0)
-    else:
-        driver = RolloutDriver(make_env, policy, sampling, max_concurrency=largest, generation_timeout_s=None, seed=0)
-    rng = np.random.default_rng(0)
-    tasks = [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(largest)]
 
-    # Warm-up: the env pool (chat formats, template checks) and the model's kernels; each size warms up again in
-    # `measure`, at its own shapes.
-    start = time.perf_counter()
-    warm = driver.run(tasks, step=10_000, max_new_tokens=1)
-    asyncio.run(run_engine(policy, turn_work(warm), args.temperature))
-    print(f"warm-up: {time.perf_counter() - start:.1f} s\n")
-
+def measure_sizes(driver, policy: HFPolicy, tasks: list[dict], args, header: dict) -> list[dict]:
+    """A row of figures per batch size (an error recorded as its row), printed and written as they come."""
     print(f"{'batch':>5} {'tokens':>7} {'driver tok/s':>12} {'engine tok/s':>11} {'hf static tok/s':>14} "
           f"{'eng/hf':>7} {'drv/eng':>9}   {'generation s':>12} {'tools s':>8} {'bookkeeping s':>13}")
     rows, works = [], []
-    try:
-        for i, batch in enumerate(args.batch):
-            try:
-                row, work = measure(driver, policy, tasks[:batch], args, step=1000 * i)
-                rows.append(row)
-                works.append(work)
-            except Exception as e:  # record it and go on with the next size
-                rows.append(dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
-                works.append(None)
-            header["compile"] = policy.compile_reason
-            write(rows, args, header)  # after each size: a run cut short still leaves its figures
-            if not args.hf_static:
-                print_row(rows[-1])
-        # transformers' generate last, once the engine is done: in one process, a run of the engine after the
-        # compiled static generate died with a CUDA illegal memory access (see the README's Status)
-        for row, work in zip(rows, works):
-            if args.hf_static:
-                if work is not None:
-                    measure_hf_static(row, policy.model, work, args)
-                print_row(row)
-                write(rows, args, header)
-    finally:
-        asyncio.run(policy.close())
-        driver.close()
-    report_end(rows, args, header)
+    for i, batch in enumerate(args.batch):
+        try:
+            row, work = measure(driver, policy, tasks[:batch], args, step=1000 * i)
+            rows.append(row)
+            works.append(work)
+        except Exception as e:  # record it and go on with the next size
+            rows.append(dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
+            works.append(None)
+        header["compile"] = policy.compile_reason
+        write(rows, args, header)  # after each size: a run cut short still leaves its figures
+        if not args.hf_static:
+            print_row(rows[-1])
+    # transformers' generate last, once the engine is done: in one process, a run of the engine after the
+    # compiled static generate died with a CUDA illegal memory access (see the README's Status)
+    for row, work in zip(rows, works):
+        if args.hf_static:
+            if work is not None:
+                measure_hf_static(row, policy.model, work, args)
+            print_row(row)
+            write(rows, args, header)
+    return rows
 
 
 def write(rows: list[dict], args, header: dict) -> None:

@@ -71,6 +71,12 @@ def machine() -> dict:
             "accelerate": accelerate.__version__}
 
 
+def repo_env(**extra: str) -> dict:
+    """The environment of a child Python: this checkout first on its path (the caller's path kept after it)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,7 +246,7 @@ def main() -> int:
     data = gsm8k_data(args.data)
     if data is None:
         raise SystemExit("bench_scaling: no GSM8K data (train.jsonl, test.jsonl): pass --data DIR or set $MT_ENV_GSM8K")
-    env = {**os.environ, **NCCL_ENV, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), "MT_ENV_GSM8K": data}
+    env = repo_env(**NCCL_ENV, MT_ENV_GSM8K=data)
     meta = {"command": " ".join(sys.argv), "gsm8k": data, "prompts": args.prompts, "steps": args.steps,
             "warmup": args.warmup, "machine": machine()}
     results: dict = earlier_runs(out) if args.only else {}

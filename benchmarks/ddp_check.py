@@ -31,8 +31,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=1024)
+from benchmarks.bench_scaling import repo_env  # noqa: E402
+
 TOLERANCE = 1e-4  #: fp32: relative difference of the parameter changes, and of every metric
 
 
@@ -40,7 +40,7 @@ def worker(args) -> None:
     """One run (1 process, or each process of the torchrun job): update, then write the change and the metrics."""
     from accelerate import Accelerator
 
-    from benchmarks.bench_update import batch_from_lengths
+    from benchmarks.bench_update import TINY, batch_from_lengths
     from trainers.config import load_config
     from trainers.modeling import PolicyModel, build_causal_lm
     from trainers.ppo import Models, reduce_metrics, score, update
@@ -49,7 +49,7 @@ def worker(args) -> None:
     accelerator = Accelerator(cpu=args.device == "cpu")
     rank, world = accelerator.process_index, accelerator.num_processes
     if args.model == "tiny":
-        lm = build_causal_lm(config=TINY, vocab_size=1000, seed=0)
+        lm = build_causal_lm(config=dict(TINY, max_position_embeddings=1024), vocab_size=1000, seed=0)
     else:
         lm = build_causal_lm(preset=args.model, seed=0)
     before = {k: v.detach().cpu().clone() for k, v in lm.named_parameters()}
@@ -114,8 +114,7 @@ def main() -> int:
         flags = ["--device", args.device, "--model", args.model, "--rows", str(args.rows), "--seq", str(args.seq),
                  "--micro", str(args.micro), "--worker", tmp]
         script = str(Path(__file__).resolve())
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                   OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        env = repo_env(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
         commands = [[sys.executable, script, *flags],
                     [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
                      *flags]]

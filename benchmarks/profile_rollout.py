@@ -29,7 +29,6 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -37,10 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
-from agents.rollout import RolloutDriver  # noqa: E402
-from agents.rollout_processes import ProcessRolloutDriver  # noqa: E402
-from benchmarks.bench_rollout import KeepGoingEnv, build_model, run_engine, turn_work  # noqa: E402
-from envs.calculator import CalculatorEnv  # noqa: E402
+from benchmarks.bench_rollout import (  # noqa: E402
+    KeepGoingEnv, build_model, make_driver, make_tasks, run_engine, turn_work)
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
 
 GAP_S = 50e-6  # idle stretches shorter than this are launch jitter, not lost time
@@ -89,12 +86,13 @@ class MarkedPolicy(HFPolicy):
             ARRIVALS.append(time.perf_counter())
         return super()._accept(item)
 
+    def _gather(self):
+        with mark("gather", "worker"):
+            return super()._gather()
 
-for _name in ("_gather", "_collect"):
-    def _marked(self, *args, _method=getattr(HFPolicy, _name), _label=_name.strip("_"), **kwargs):
-        with mark(_label, "worker"):
-            return _method(self, *args, **kwargs)
-    setattr(MarkedPolicy, _name, _marked)
+    def _collect(self, launched):
+        with mark("collect", "worker"):
+            return super()._collect(launched)
 
 
 def _gc_timer():
@@ -251,13 +249,10 @@ def main():
     policy = MarkedPolicy(model, max_batch_size=max(args.batch), seed=0, vocab_limit=len(tokenizer),
                           admit_wait_steps=args.admit_wait_steps, fast_path=args.fast_path == "on" or "auto")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
-    driver = RolloutDriver(lambda: MarkedEnv(tokenizer=tokenizer), policy, sampling, max_concurrency=max(args.batch),
-                           generation_timeout_s=None, seed=0)
-    processes = ProcessRolloutDriver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling,
-                                     processes=args.env_processes, max_concurrency=max(args.batch),
-                                     generation_timeout_s=None) if args.env_processes else None
-    rng = np.random.default_rng(0)
-    tasks = [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(max(args.batch))]
+    driver = make_driver(functools.partial(MarkedEnv, tokenizer=tokenizer), policy, sampling, max(args.batch))
+    processes = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, max(args.batch),
+                            args.env_processes) if args.env_processes else None
+    tasks = make_tasks(max(args.batch))
     report = dict(model=shape, fast_path=policy.fast_path_reason, compile=policy.compile_reason, runs={})
     try:
         for batch in args.batch:

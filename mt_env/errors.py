@@ -1,5 +1,7 @@
 """Every exception mt_env raises on purpose, in one place. All derive from `MtEnvError`."""
 
+import pickle
+
 
 class MtEnvError(Exception):
     """Base class of mt_env's errors."""
@@ -45,8 +47,6 @@ class CalculatorError(ToolError):
 
 def portable(error: BaseException, fallback: type[Exception] = RuntimeError) -> BaseException:
     """`error` if it survives pickling (to be raised in another process), else a `fallback` saying what it was."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(error))
         return error

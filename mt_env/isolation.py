@@ -324,8 +324,6 @@ def _serve(conn, tool_class: type, config: dict, tool_schema: dict) -> None:
                                         f"{type(e).__name__}: {e}")))
 
 
-
-
 _idle: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tool object -> its idle WorkerProcesses
 
 
