@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import gymnasium as gym
+import numpy as np
 import pytest
 
 import mt_env  # noqa: F401  (registers the envs)
@@ -113,6 +114,9 @@ def test_lenient_numbers_are_exact():
     assert [normalize_number(t) for t in ("1,234.50", "72.0", "$-0.00", ".5", "007", "x")] == [
         "1234.5", "72", "0", "0.5", "7", None]
     assert extract_final_answer("so #### $ 1,234") == "1234"
+    # floats, numpy's too (a parquet file's numbers): read with all their digits
+    assert [normalize_number(x) for x in (72.0, 1e20, np.float64(72.5), np.float32(0.5))] == [
+        "72", "100000000000000000000", "72.5", "0.5"]
 
 
 # verl/tools/gsm8k_tool.py scores str(answer): models write {"answer": 72} constantly.
