@@ -420,6 +420,17 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def admission_waits(waited: Sequence[int], decoding: int, room: int, cost_steps: float) -> bool:
+    """Whether requests waiting for a prefill pass (`waited`: decode steps each has waited) wait another step while
+    `decoding` rows decode and `room` slots are free. Rent or buy: the pass stalls every decoding row for about
+    `cost_steps` steps, so the waiting rent (one row-step each per step) until their summed wait reaches that stall,
+    then buy; they go at once when they are at least as many as the decoding rows (the stall costs those no more
+    than the wait costs them), fill the free slots, or no row decodes (the pass stalls nobody)."""
+    if not decoding or len(waited) >= min(room, decoding):
+        return False
+    return sum(waited) < decoding * cost_steps
+
+
 # --------------------------------------------------------------------------------------------- the engine
 @dataclass
 class _SlotState:

@@ -15,9 +15,10 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
   whatever else is in the batch).
 * A row that samples a stop token or reaches its limit is **resolved at once** and leaves the batch, so a finished
   episode never waits for the slowest row.
-* **Requests that arrive while a batch runs join it at the next step boundary** and share every forward pass from
-  then on (on the fast path, after up to `admit_wait_steps` steps, so that arrivals a few steps apart share one
-  prefill).
+* **Requests that arrive while a batch runs join it at a step boundary** and share every forward pass from then
+  on: on the transformers path at the next one; on the fast path once their pass is worth the stall it causes
+  the decoding rows (`prefill_cost_steps`): a lone early arrival waits for company (or for the batch to drain),
+  a large group joins at once.
 * Batch size is capped by `max_batch_size` rows in flight; more requests wait in the queue.
 
 Two paths do the passes:
@@ -85,7 +86,7 @@ from torch import nn
 from mt_env.turn import ModelTurn
 
 from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep, RowSampling, SlotEngine,
-                          SlotTable, UnsupportedModel, decoder_layout, module_device, prefill_groups, sample_tokens,
+                          SlotTable, UnsupportedModel, admission_waits, decoder_layout, module_device, prefill_groups, sample_tokens,
                           sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
@@ -244,12 +245,14 @@ class HFPolicy(Policy):
         overlap_steps: fast path only: launch each decode step before reading the previous step's tokens (see
             "Overlapped steps" above); False: one step at a time (no wasted row-steps, the host's work between
             steps on the device's critical path). The tokens are the same either way.
-        admit_wait_steps: fast path only: requests that arrive while rows decode wait up to this many decode steps
-            (or until no row decodes, or the waiting fill the free slots) before their prefill, so that arrivals
-            spread over a few steps share one prefill pass instead of stalling the running rows once each. 0 (the
-            default): admitted at the next step boundary. On an H200, 8 took the rollout driver from 0.65x to
-            0.71x the engine at 64 episodes (`benchmarks/bench_rollout.py --admit-wait-steps 8`), but it has not
-            been through the full GPU checks yet. The tokens are the same either way.
+        prefill_cost_steps: fast path only: what a prefill pass costs the rows decoding meanwhile (they wait for
+            it), in decode steps. Requests that arrive while rows decode wait (rent or buy) until their summed wait,
+            in row-steps, reaches the pass's stall, ``prefill_cost_steps x decoding rows``; or until they are at
+            least as many as the decoding rows, fill the free slots, or no row decodes. Why: at 256 episodes, an
+            episode whose turn ended early came back alone and stalled 255 decoding rows for a pass of its own
+            (18 ms on an H200, six decode steps), then fell out of step with the others at every later turn; the
+            rule makes it join the next large group instead. The default (8) is a small pass's cost on an H200;
+            0 admits every arrival at the next step boundary. The tokens are the same either way.
     """
 
     def __init__(
@@ -267,7 +270,7 @@ class HFPolicy(Policy):
         compile: bool | str = "auto",
         max_cache_len: int | None = None,
         overlap_steps: bool = True,
-        admit_wait_steps: int = 0,
+        prefill_cost_steps: float = 8.0,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
@@ -275,8 +278,8 @@ class HFPolicy(Policy):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if gather_window_s < 0:
             raise ValueError(f"gather_window_s must be >= 0, got {gather_window_s}")
-        if admit_wait_steps < 0:
-            raise ValueError(f"admit_wait_steps must be >= 0, got {admit_wait_steps}")
+        if not prefill_cost_steps >= 0:
+            raise ValueError(f"prefill_cost_steps must be >= 0, got {prefill_cost_steps}")
         self.model = model
         self.max_batch_size = max_batch_size
         self.gather_window_s = gather_window_s
@@ -297,24 +300,25 @@ class HFPolicy(Policy):
         #: merges and separate_batches are the transformers path's; the fast path pads decode batches to a bucket
         #: (padded_rows), computes a row-step for rows that ended at the step before (wasted_rows: overlapped
         #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays; a bucket's
-        #: first steps run uncaptured: uncaptured_steps). Seconds: busy_s (the worker serving: from taking work
-        #: while idle until idle again), gather_s (gathering requests that trickle in to the idle worker),
-        #: prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing them, or capturing a
-        #: graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest of busy_s is
-        #: the worker's bookkeeping, with its waits to take the GIL back.
+        #: first steps run uncaptured: uncaptured_steps) and holds arrivals back (admission_waits: step
+        #: boundaries at which waiting requests waited, see `prefill_cost_steps`). Seconds: busy_s (the worker
+        #: serving: from taking work while idle until idle again), gather_s (gathering requests that trickle in to
+        #: the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing them,
+        #: or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
+        #: of busy_s is the worker's bookkeeping, with its waits to take the GIL back.
         self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
                                       "separate_batches": 0, "padded_rows": 0, "wasted_rows": 0,
                                       "compaction_moves": 0, "graph_captures": 0, "graph_replays": 0,
-                                      "uncaptured_steps": 0, "module_reallocations": 0, "compilations": 0,
-                                      "compile_s": 0.0, "capture_failures": 0, "busy_s": 0.0, "gather_s": 0.0,
-                                      "prefill_s": 0.0, "launch_s": 0.0, "step_wait_s": 0.0}
+                                      "uncaptured_steps": 0, "admission_waits": 0, "module_reallocations": 0,
+                                      "compilations": 0, "compile_s": 0.0, "capture_failures": 0, "busy_s": 0.0,
+                                      "gather_s": 0.0, "prefill_s": 0.0, "launch_s": 0.0, "step_wait_s": 0.0}
         cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
         self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)
         self.fast_path = self._engine is not None
         if self._engine is not None:
             self.max_context_len = min(self.max_context_len, self._engine.max_cache_len)
         self.overlap_steps = bool(overlap_steps)
-        self.admit_wait_steps = admit_wait_steps
+        self.prefill_cost_steps = prefill_cost_steps
 
         self._rng = random.Random(seed)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -652,10 +656,12 @@ class HFPolicy(Policy):
             self._prefill_slots([new[i] for i in group])
 
     def _admission_waits(self, room: int) -> bool:
-        """Whether the waiting requests wait another step (`admit_wait_steps`): rows are decoding, the waiting do
-        not fill the free slots, and the first of them arrived fewer than `admit_wait_steps` steps ago."""
-        return (self._slots.held_count() > 0 and len(self._waiting) < room
-                and self.stats["decode_passes"] - self._waiting[0].arrival_step < self.admit_wait_steps)
+        """Whether the waiting requests wait another step (`prefill_cost_steps`, `fast_decode.admission_waits`)."""
+        now = self.stats["decode_passes"]
+        waits = admission_waits([now - r.arrival_step for r in self._waiting], self._slots.held_count(), room,
+                                self.prefill_cost_steps)
+        self.stats["admission_waits"] += waits
+        return waits
 
     def _prefill_slots(self, requests: list[_Request]) -> None:
         slots = self._slots.acquire(requests)

@@ -6,7 +6,7 @@
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2
 #   bash benchmarks/run_gpu.sh driver    # 2 GPUs: bench_rollout | the driver with HFPolicy's defaults, with
-#                                        # admission waits, a longer gather (other knobs: bench_rollout.py --help)
+#                                        # every arrival admitted at once, a longer gather (other knobs: bench_rollout.py --help)
 # Results go to $OUT (default benchmarks/results/run; the driver variants keep their JSON in /tmp); GSM8K is read
 # from $MT_ENV_GSM8K. A folder .whl/ of wheels, when present, is installed first (for machines without PyPI).
 set -u
@@ -55,7 +55,7 @@ case "${1:-}" in
     }
     { CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda \
         --batch 64 256 --new-tokens 128 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "rollout rc=$?"; } &
-    { variant default 1; variant wait8 1 --admit-wait-steps 8; variant cap100 1 --gather-cap 100; } &
+    { variant default 1; variant admit0 1 --prefill-cost-steps 0; variant cap100 1 --gather-cap 100; } &
     wait
     for f in "$OUT"/rollout.txt "$OUT"/driver_*.txt; do echo "== $f"; grep -A12 "^batch" "$f" | grep -v Warn; tail -2 "$f"; done ;;
   *) echo "usage: bash benchmarks/run_gpu.sh single|scaling|fsdp|driver" >&2; exit 2 ;;

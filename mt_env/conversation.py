@@ -414,8 +414,8 @@ class Conversation:
             if got != expected:
                 raise DriftError(self._text_diff(index, segs[:last], got, expected))
             runs = _template_runs(segs[:last])
-            encoded = self.fmt.encode_batch([text for _, _, text in runs])
-            for (start, end, text), ids in zip(runs, encoded):
+            for start, end, text in runs:
+                ids = self.fmt.encode(text)  # the system prompt's and tools' pieces are encoded once per format
                 if sample.ids[start:end] != ids:
                     raise DriftError(self._token_diff(index, start, end, text, sample.ids[start:end], ids))
 

@@ -25,7 +25,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from agents import compiling
 from agents.fast_decode import (COMPILED_FUNCTIONS, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
-                                batch_buckets, bucket_for, decoder_layout, prefill_groups, sample_tokens)
+                                admission_waits, batch_buckets, bucket_for, decoder_layout, prefill_groups,
+                                sample_tokens)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -108,7 +109,7 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
     prompts = PROMPTS[:5]
 
     async def main():
-        async with HFPolicy(arch_model, **FAST) as policy:
+        async with HFPolicy(arch_model, **FAST, prefill_cost_steps=0) as policy:  # admitted at the next boundary
             tasks = []
             for p, q in zip(prompts, params):
                 tasks.append(asyncio.create_task(policy.generate(p, q)))
@@ -124,28 +125,47 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
 
 
 def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_get_alone(model):
-    """With `admit_wait_steps`, requests arriving steps apart while a long row decodes wait (here: until that row
-    ends, the wait being longer) and then share one prefill; the same requests with free slots for all of them
-    waiting are admitted at once. Each row's tokens are those it gets alone."""
-    params = [SamplingParams(temperature=0.9, max_new_tokens=n, seed=i) for i, n in enumerate([60, 5, 17, 3, 25])]
+    """Four long rows decode; three requests arrive a step or more apart. With a prefill costlier than any wait here,
+    the three (fewer than the decoding rows) wait until the long rows end and then share one prefill; with
+    `prefill_cost_steps=0` each is admitted at the next step boundary. Each row's tokens are those it gets alone."""
+    params = [SamplingParams(temperature=0.9, max_new_tokens=40, seed=i) for i in range(4)]
+    params += [SamplingParams(temperature=0.9, max_new_tokens=n, seed=10 + n) for n in (5, 17, 3)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 
-    async def main(max_batch_size, arrivals):
-        async with HFPolicy(model, max_batch_size=max_batch_size, **FAST | dict(admit_wait_steps=10_000)) as policy:
-            tasks = [asyncio.create_task(policy.generate(PROMPTS[0], params[0]))]
-            for p, q in zip(PROMPTS[1:arrivals], params[1:arrivals]):
+    async def main(cost):
+        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, **FAST, prefill_cost_steps=cost) as policy:
+            tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
+            for p, q in zip(prompts[4:], params[4:]):
                 passes = policy.stats["decode_passes"]
                 while policy.stats["decode_passes"] < passes + 1:  # the next one arrives at least a step later
                     await asyncio.sleep(0.001)
                 tasks.append(asyncio.create_task(policy.generate(p, q)))
             return await asyncio.gather(*tasks), dict(policy.stats)
 
-    together, stats = run(main(max_batch_size=8, arrivals=5))
-    alone = [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(PROMPTS, params)]
-    assert_same(together, alone)
-    assert stats["prefill_passes"] == 2 and stats["decode_passes"] >= 59 + 24  # the four joined after the first
-    at_once, stats = run(main(max_batch_size=2, arrivals=2))  # one free slot, one waiting: no wait
-    assert_same(at_once, alone[:2])
-    assert stats["prefill_passes"] == 2 and stats["decode_passes"] < 59 + 4
+    alone = [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
+    waited, stats = run(main(cost=1_000))
+    assert_same(waited, alone)
+    assert stats["prefill_passes"] == 2 and stats["admission_waits"] > 0
+    assert stats["decode_passes"] >= 39 + 16  # the three started after the long rows
+    at_once, stats = run(main(cost=0))
+    assert_same(at_once, alone)
+    assert stats["prefill_passes"] == 4 and stats["admission_waits"] == 0
+
+
+@given(waited=st.lists(st.integers(0, 50), max_size=12), decoding=st.integers(0, 64), room=st.integers(1, 64),
+       cost=st.sampled_from([0.0, 0.5, 2.0, 8.0, 100.0]), more=st.integers(1, 20))
+def test_admission_rule_is_rent_or_buy(waited, decoding, room, cost, more):
+    """Waiting requests go at once when no row decodes, they fill the free slots, they are at least as many as the
+    decoding rows, or the pass costs nothing; else they wait exactly while their summed wait is below the stall
+    (`cost` steps of every decoding row). Waiting longer, or a cheaper pass, never turns a go into a wait."""
+    waits = admission_waits(waited, decoding, room, cost)
+    if not decoding or len(waited) >= min(room, decoding) or cost == 0:
+        assert not waits
+    else:
+        assert waits == (sum(waited) < decoding * cost)
+    if not waits:
+        assert not admission_waits([w + more for w in waited], decoding, room, cost)
+        assert not admission_waits(waited, decoding, room, cost / 2)
 
 
 def test_compaction_moves_the_last_rows_down_and_keeps_their_outputs(model):
@@ -423,7 +443,8 @@ def test_auto_takes_the_fast_path_on_cuda_only(model):
 
 @pytest.mark.parametrize("kwargs, message", [(dict(fast_path="yes"), "fast_path"),
                                              (dict(max_cache_len=1), "max_cache_len"),
-                                             (dict(admit_wait_steps=-1), "admit_wait_steps")])
+                                             (dict(prefill_cost_steps=-1), "prefill_cost_steps"),
+                                             (dict(prefill_cost_steps=float("nan")), "prefill_cost_steps")])
 def test_bad_fast_path_arguments_are_rejected(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         HFPolicy(model, **kwargs)
