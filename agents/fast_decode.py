@@ -420,13 +420,14 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def admission_waits(waited: Sequence[int], decoding: int, room: int, cost_steps: float) -> bool:
+def admission_waits(waited: Sequence[int], decoding: int, cost_steps: float) -> bool:
     """Whether requests waiting for a prefill pass (`waited`: decode steps each has waited) wait another step while
-    `decoding` rows decode and `room` slots are free. Rent or buy: the pass stalls every decoding row for about
-    `cost_steps` steps, so the waiting rent (one row-step each per step) until their summed wait reaches that stall,
-    then buy; they go at once when they are at least as many as the decoding rows (the stall costs those no more
-    than the wait costs them), fill the free slots, or no row decodes (the pass stalls nobody)."""
-    if not decoding or len(waited) >= min(room, decoding):
+    `decoding` rows decode. Rent or buy: the pass stalls every decoding row for about `cost_steps` steps, so the
+    waiting rent (one row-step each per step) until their summed wait reaches that stall, then buy; they go at once
+    when they are at least as many as the decoding rows (the stall costs those no more than the wait costs them) or
+    no row decodes (the pass stalls nobody). Free slots do not matter: a lone arrival taking the last free slot
+    stalls the full batch all the same."""
+    if not decoding or len(waited) >= decoding:
         return False
     return sum(waited) < decoding * cost_steps
 
@@ -561,6 +562,7 @@ class SlotEngine:
         if device.type == "cuda" and self._functions["decode_layer"] is not decode_layer:  # a compiled step
             self.warm_buckets()
 
+    @torch.no_grad()
     def warm_buckets(self) -> None:
         """Run the decode step once for every batch bucket, at the shortest length, with no row holding a slot (it
         changes no slot's state). Why: the compiled step's kernels are generated per size class (Triton specializes
@@ -642,6 +644,7 @@ class SlotEngine:
         return min(self.max_cache_len, -(-need // self.length_step) * self.length_step)
 
     # ------------------------------------------------------------------------------------- passes
+    @torch.no_grad()
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 sampling: RowSampling) -> tuple[list[int], list[float]]:
         """Prefill `prompts` into `slots` (one pass), sample each row's first token; returns the tokens and
@@ -682,6 +685,7 @@ class SlotEngine:
             return "on: decode step and prefill compiled by Inductor"
         return f"{'off' if len(failures) == len(functions) else 'partly off'}: {'; '.join(failures)}"
 
+    @torch.no_grad()
     def launch(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> LaunchedStep:
         """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding),
         and the copy of its outputs to host memory; on CUDA, return without waiting for the device. Each live slot

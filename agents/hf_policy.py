@@ -248,7 +248,7 @@ class HFPolicy(Policy):
         prefill_cost_steps: fast path only: what a prefill pass costs the rows decoding meanwhile (they wait for
             it), in decode steps. Requests that arrive while rows decode wait (rent or buy) until their summed wait,
             in row-steps, reaches the pass's stall, ``prefill_cost_steps x decoding rows``; or until they are at
-            least as many as the decoding rows, fill the free slots, or no row decodes. Why: at 256 episodes, an
+            least as many as the decoding rows, or no row decodes. Why: at 256 episodes, an
             episode whose turn ended early came back alone and stalled 255 decoding rows for a pass of its own
             (18 ms on an H200, six decode steps), then fell out of step with the others at every later turn; the
             rule makes it join the next large group instead. The default (8) is a small pass's cost on an H200;
@@ -643,7 +643,7 @@ class HFPolicy(Policy):
     def _admit_to_slots(self) -> None:
         """Prefill as many waiting requests as there are free slots, in passes of bounded size."""
         room = self._slots.free_count()
-        if room <= 0 or not self._waiting or self._admission_waits(room):
+        if room <= 0 or not self._waiting or self._admission_waits():
             return
         new, self._waiting = self._waiting[:room], self._waiting[room:]
         self._start(new)
@@ -655,10 +655,10 @@ class HFPolicy(Policy):
         for group in prefill_groups([len(r.prompt) for r in new], PREFILL_TOKENS):
             self._prefill_slots([new[i] for i in group])
 
-    def _admission_waits(self, room: int) -> bool:
+    def _admission_waits(self) -> bool:
         """Whether the waiting requests wait another step (`prefill_cost_steps`, `fast_decode.admission_waits`)."""
         now = self.stats["decode_passes"]
-        waits = admission_waits([now - r.arrival_step for r in self._waiting], self._slots.held_count(), room,
+        waits = admission_waits([now - r.arrival_step for r in self._waiting], self._slots.held_count(),
                                 self.prefill_cost_steps)
         self.stats["admission_waits"] += waits
         return waits

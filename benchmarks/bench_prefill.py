@@ -41,7 +41,7 @@ def timed_pass(engine: SlotEngine, rows: int, width: int, vocab: int, rng: rando
     if engine.model.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    engine.prefill(list(range(rows)), prompts, sampling)  # ends with the tokens read to the host
+    engine.prefill(list(range(rows)), prompts, sampling)  # ends with the tokens read to the host (no_grad inside)
     seconds = time.perf_counter() - start
     engine.free(list(range(rows)))
     return seconds

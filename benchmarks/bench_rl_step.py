@@ -38,6 +38,11 @@ from trainers.setup import make_models, make_tokenizer  # noqa: E402
 from trainers.tracking import read_metrics  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
+#: the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`): where the rollout's
+#: seconds went on the generation side
+ENGINE_KEYS = tuple(f"engine/{k}" for k in ("busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s",
+                                            "prefill_passes", "decode_passes", "decoded_rows", "admission_waits",
+                                            "graph_captures", "uncaptured_steps"))
 GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
 
 
@@ -60,6 +65,7 @@ def steady(rows: list[dict], warmup: int) -> dict:
            "sequences": median("perf/sequences")}
     for phase in PHASES:
         out[f"{phase}_s"] = median(f"perf/{phase}_s")
+    out["engine"] = {key.removeprefix("engine/"): median(key) for key in ENGINE_KEYS if key in kept[0]}
     return out
 
 
@@ -133,6 +139,12 @@ def main():
           f"(rollout {figures['rollout_s']:.2f}, old logprobs {old}, "
           f"reference {figures['ref_s']:.2f}, update {figures['update_s']:.2f}); "
           f"{figures['tokens']:.0f} tokens/step, {figures['generated_tokens']:.0f} generated")
+    if figures["engine"]:
+        e = figures["engine"]
+        print(f"rollout's engine: busy {e['busy_s']:.2f} s (gathering {e['gather_s']:.2f}, {e['prefill_passes']:.0f} "
+              f"prefill passes {e['prefill_s']:.2f}, {e['decode_passes']:.0f} decode steps: launching "
+              f"{e['launch_s']:.2f}, waiting for them {e['step_wait_s']:.2f}), {e['admission_waits']:.0f} admission "
+              f"waits; idle {figures['rollout_s'] - e['busy_s']:.2f} s of the rollout's {figures['rollout_s']:.2f}")
     print(f"raw forward {figures['raw_forward_tok_s']:,.0f} tok/s, raw forward+backward+AdamW "
           f"{figures['raw_train_tok_s']:,.0f} tok/s")
     for name, ratio in ratios.items():

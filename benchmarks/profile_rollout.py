@@ -60,7 +60,20 @@ def mark(name: str, role: str):
 
 class MarkedPolicy(HFPolicy):
     """HFPolicy with its worker's phases marked (names without the leading underscore), and the timeline's
-    details: each prefill pass's rows, width and tokens, slow launches (graph captures), request arrivals."""
+    details: each prefill pass's rows, width and tokens, slow launches (graph captures), request arrivals, the
+    worker's idle stretches (no row decoding, nothing waiting: the device waits for the envs)."""
+
+    _idle_since: float | None = None
+
+    def _serving(self, on):
+        now = time.perf_counter()
+        if not on and self._idle_since is None:
+            self._idle_since = now
+        elif on and self._idle_since is not None:
+            if now - self._idle_since > 1e-3:
+                DETAILS.append((self._idle_since, now, f"worker idle {(now - self._idle_since) * 1e3:.1f} ms"))
+            self._idle_since = None
+        super()._serving(on)
 
     def _prefill_slots(self, requests):
         lengths = [len(r.prompt) for r in requests]

@@ -42,8 +42,15 @@ class LocalRollouts:
         self.eval_driver = eval_driver
 
     def play(self, tasks: list[dict], n: int, step: int) -> RolloutResult:
+        """The step's episodes; their metrics also carry the embedded engine's counters over the rollout
+        (``engine/*``: passes, rows, seconds busy, in prefill, waiting for decode steps; see `HFPolicy.stats`)."""
+        before = dict(getattr(self.backend, "stats", {}))
         with self.gathered():
-            return self.driver.run(tasks, n=n, step=step)
+            result = self.driver.run(tasks, n=n, step=step)
+        for key, value in getattr(self.backend, "stats", {}).items():
+            if isinstance(value, (int, float)) and key in before:
+                result.metrics[f"engine/{key}"] = float(value - before[key])
+        return result
 
     def evaluate(self, tasks: list[dict], step: int) -> dict:
         """Greedy, or sampled with pass@k over `eval.samples` (`step` only labels: the weights are this process's)."""
