@@ -78,6 +78,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mt_env.collector import collector_paused
 
@@ -92,6 +93,10 @@ SAMPLING_MODES = ("greedy", "sample", "truncate")
 PREFILL_TOKENS = 32768
 #: default `max_cache_len` cap: every slot holds this many tokens, so the cache is slots x this x per-token size
 DEFAULT_MAX_CACHE_LEN = 4096
+#: the attention kernels a prefill pass may use: torch's choice without cuDNN, which builds an execution plan for
+#: every new shape (the rows and width of a pass change all the time); None: torch's own choice
+PREFILL_ATTENTION: list[SDPBackend] | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                             SDPBackend.MATH]
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
 #: a (batch, length, mode) bucket is captured the n-th time a step needs it; before that its steps run uncaptured.
 #: A capture (a synchronisation, the warm-up steps, recording ~500 kernels) costs ~50-150 ms during which every row
@@ -420,16 +425,15 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
-def admission_waits(waited: Sequence[int], decoding: int, cost_steps: float) -> bool:
+def admission_waits(waited: Sequence[int], decoding: int, wait_steps: int) -> bool:
     """Whether requests waiting for a prefill pass (`waited`: decode steps each has waited) wait another step while
-    `decoding` rows decode. Rent or buy: the pass stalls every decoding row for about `cost_steps` steps, so the
-    waiting rent (one row-step each per step) until their summed wait reaches that stall, then buy; they go at once
-    when they are at least as many as the decoding rows (the stall costs those no more than the wait costs them) or
-    no row decodes (the pass stalls nobody). Free slots do not matter: a lone arrival taking the last free slot
-    stalls the full batch all the same."""
-    if not decoding or len(waited) >= decoding:
+    `decoding` rows decode: while the longest wait is under `wait_steps` and they are fewer than the decoding rows.
+    Why: each pass stalls every decoding row, so arrivals a few steps apart had better share one; a group at least
+    as large as the decoding batch gains more from starting than the batch loses, and no wait is longer than
+    `wait_steps` (see `HFPolicy`'s `admit_wait_steps`)."""
+    if not waited or not decoding or len(waited) >= decoding:
         return False
-    return sum(waited) < decoding * cost_steps
+    return max(waited) < wait_steps
 
 
 # --------------------------------------------------------------------------------------------- the engine
@@ -662,7 +666,8 @@ class SlotEngine:
         x = lay.embed(ids)
         cos, sin = lay.rotary(x, torch.arange(width, device=device)[None, :].expand(n, width))
         layer_fn, head = self._functions["prefill_layer"], self._functions["head_logits"]
-        with self._compilations_counted():
+        attention = sdpa_kernel(PREFILL_ATTENTION) if PREFILL_ATTENTION else contextlib.nullcontext()
+        with self._compilations_counted(), attention:  # also while tracing: the compiled pass keeps the choice
             for layer, keys, values in zip(lay.layers, s.keys, s.values):
                 x = layer_fn(layer, x, cos, sin, index, keys, values, lay.apply_rope, lay.qk_norm)
             last = x[torch.arange(n, device=device)[:, None], (lengths - 1)[:, None]]  # [n, 1, hidden], not a view

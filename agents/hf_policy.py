@@ -16,9 +16,8 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
 * A row that samples a stop token or reaches its limit is **resolved at once** and leaves the batch, so a finished
   episode never waits for the slowest row.
 * **Requests that arrive while a batch runs join it at a step boundary** and share every forward pass from then
-  on: on the transformers path at the next one; on the fast path once their pass is worth the stall it causes
-  the decoding rows (`prefill_cost_steps`): a lone early arrival waits for company (or for the batch to drain),
-  a large group joins at once.
+  on: on the transformers path at the next one; on the fast path after up to `admit_wait_steps` steps, so that
+  arrivals a few steps apart share one prefill pass (a group at least as large as the decoding batch goes at once).
 * Batch size is capped by `max_batch_size` rows in flight; more requests wait in the queue.
 
 Two paths do the passes:
@@ -245,13 +244,12 @@ class HFPolicy(Policy):
         overlap_steps: fast path only: launch each decode step before reading the previous step's tokens (see
             "Overlapped steps" above); False: one step at a time (no wasted row-steps, the host's work between
             steps on the device's critical path). The tokens are the same either way.
-        prefill_cost_steps: fast path only: what a prefill pass costs the rows decoding meanwhile (they wait for
-            it), in decode steps. Requests that arrive while rows decode wait (rent or buy) until their summed wait,
-            in row-steps, reaches the pass's stall, ``prefill_cost_steps x decoding rows``; or until they are at
-            least as many as the decoding rows, or no row decodes. Why: at 256 episodes, an
-            episode whose turn ended early came back alone and stalled 255 decoding rows for a pass of its own
-            (18 ms on an H200, six decode steps), then fell out of step with the others at every later turn; the
-            rule makes it join the next large group instead. The default (8) is a small pass's cost on an H200;
+        admit_wait_steps: fast path only: requests that arrive while rows decode wait up to this many decode steps
+            (counted from the first of them) for others to share their prefill pass, which stalls every decoding
+            row; they go at once when they are at least as many as the decoding rows, or no row decodes. The wait
+            is bounded, not open-ended: a request arriving mid-batch is often an episode with more work than the
+            rest (its turn ended early on a tool call), and holding it until the batch drains would lengthen the
+            whole rollout. The default (8) is about what a small prefill pass costs on an H200, in decode steps;
             0 admits every arrival at the next step boundary. The tokens are the same either way.
     """
 
@@ -270,7 +268,7 @@ class HFPolicy(Policy):
         compile: bool | str = "auto",
         max_cache_len: int | None = None,
         overlap_steps: bool = True,
-        prefill_cost_steps: float = 8.0,
+        admit_wait_steps: int = 8,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
@@ -278,8 +276,8 @@ class HFPolicy(Policy):
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if gather_window_s < 0:
             raise ValueError(f"gather_window_s must be >= 0, got {gather_window_s}")
-        if not prefill_cost_steps >= 0:
-            raise ValueError(f"prefill_cost_steps must be >= 0, got {prefill_cost_steps}")
+        if admit_wait_steps < 0:
+            raise ValueError(f"admit_wait_steps must be >= 0, got {admit_wait_steps}")
         self.model = model
         self.max_batch_size = max_batch_size
         self.gather_window_s = gather_window_s
@@ -301,7 +299,7 @@ class HFPolicy(Policy):
         #: (padded_rows), computes a row-step for rows that ended at the step before (wasted_rows: overlapped
         #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays; a bucket's
         #: first steps run uncaptured: uncaptured_steps) and holds arrivals back (admission_waits: step
-        #: boundaries at which waiting requests waited, see `prefill_cost_steps`). Seconds: busy_s (the worker
+        #: boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds: busy_s (the worker
         #: serving: from taking work while idle until idle again), gather_s (gathering requests that trickle in to
         #: the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing them,
         #: or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
@@ -318,7 +316,7 @@ class HFPolicy(Policy):
         if self._engine is not None:
             self.max_context_len = min(self.max_context_len, self._engine.max_cache_len)
         self.overlap_steps = bool(overlap_steps)
-        self.prefill_cost_steps = prefill_cost_steps
+        self.admit_wait_steps = admit_wait_steps
 
         self._rng = random.Random(seed)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -656,10 +654,10 @@ class HFPolicy(Policy):
             self._prefill_slots([new[i] for i in group])
 
     def _admission_waits(self) -> bool:
-        """Whether the waiting requests wait another step (`prefill_cost_steps`, `fast_decode.admission_waits`)."""
+        """Whether the waiting requests wait another step (`admit_wait_steps`, `fast_decode.admission_waits`)."""
         now = self.stats["decode_passes"]
         waits = admission_waits([now - r.arrival_step for r in self._waiting], self._slots.held_count(),
-                                self.prefill_cost_steps)
+                                self.admit_wait_steps)
         self.stats["admission_waits"] += waits
         return waits
 

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
+import agents.fast_decode  # noqa: E402
 from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import build_model  # noqa: E402
@@ -52,8 +53,14 @@ def main():
     ap.add_argument("--model", choices=["tiny", "qwen2.5-0.5b"], default="qwen2.5-0.5b")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--rounds", type=int, default=3, help="times the whole sequence of shapes is replayed")
+    ap.add_argument("--torch-sdpa", action="store_true", help="experiment: the prefill's attention kernel as torch "
+                    "chooses it (agents.fast_decode.PREFILL_ATTENTION = None: cuDNN allowed)")
+    ap.add_argument("--profile", action="store_true", help="after the rounds, profile passes of two unseen shapes "
+                    "and print their costliest host-side ops")
     ap.add_argument("--out", help="write the times as JSON here")
     args = ap.parse_args()
+    if args.torch_sdpa:
+        agents.fast_decode.PREFILL_ATTENTION = None
     vocab = 151665
     model, shape = build_model(args.model, args.device, vocab)
     engine = SlotEngine(model, decoder_layout(model), max_slots=256, max_cache_len=4096, vocab_size=vocab,
@@ -68,8 +75,22 @@ def main():
     print(f"{'rows':>5} {'width':>6} {'tokens':>7}  " + "  ".join(f"round {r + 1} ms" for r in range(args.rounds)))
     for i, (rows, width) in enumerate(SHAPES):
         print(f"{rows:>5} {width:>6} {rows * width:>7}  " + "  ".join(f"{t[i]:>10.1f}" for t in rounds))
+    if args.profile:
+        profile_unseen(engine, vocab, rng)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(model=shape, shapes=SHAPES, ms=rounds), indent=1))
+        Path(args.out).write_text(json.dumps(dict(model=shape, shapes=SHAPES, ms=rounds,
+                                                  torch_sdpa=args.torch_sdpa), indent=1))
+
+
+def profile_unseen(engine: SlotEngine, vocab: int, rng: random.Random) -> None:
+    """Profile prefill passes of two shapes not seen before: which host-side ops hold the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
+        for rows, width in ((11, 301), (23, 433)):
+            print(f"unseen shape ({rows}, {width}): {timed_pass(engine, rows, width, vocab, rng) * 1e3:.1f} ms")
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

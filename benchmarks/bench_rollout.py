@@ -254,8 +254,8 @@ def arguments() -> argparse.Namespace:
                     f"the worker serves (default {agents.hf_policy.SERVING_SWITCH_INTERVAL_S})")
     ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of an idle worker, in gather "
                     f"windows (default {agents.hf_policy.GATHER_CAP_WINDOWS})")
-    ap.add_argument("--prefill-cost-steps", type=float, help="HFPolicy's prefill_cost_steps, its admission rule "
-                    "(default: HFPolicy's own; 0 admits every arrival at the next step boundary)")
+    ap.add_argument("--admit-wait-steps", type=int, help="HFPolicy's admit_wait_steps (default: HFPolicy's own; 0 "
+                    "admits every arrival at the next step boundary)")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
                     "objects alive then are never scanned again)")
     ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
@@ -281,7 +281,7 @@ def main():
     model, shape = build_model(args.model, args.device, len(tokenizer))
     largest = max(args.batch)
     fast_path = {"auto": "auto", "on": True, "off": False}[args.fast_path]
-    knobs = {} if args.prefill_cost_steps is None else {"prefill_cost_steps": args.prefill_cost_steps}
+    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
     policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer), fast_path=fast_path,
                       **knobs)
     header = run_header(args, policy, shape, len(tokenizer))
@@ -329,7 +329,7 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
-                  prefill_cost_steps=policy.prefill_cost_steps, env_processes=args.env_processes)
+                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "

@@ -247,7 +247,7 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--batch", type=int, nargs="+", default=[64])
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prefill-cost-steps", type=float, help="HFPolicy's admission rule (default: its own)")
+    ap.add_argument("--admit-wait-steps", type=int, help="HFPolicy's admit_wait_steps (default: its own)")
     ap.add_argument("--fast-path", choices=["auto", "on"], default="auto", help="on: HFPolicy's fast path also on CPU")
     ap.add_argument("--env-processes", type=int, default=0, help="--timeline: also run the driver with its env work "
                     "in this many processes")
@@ -259,7 +259,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer("offline:qwen2.5")
     model, shape = build_model(args.model, args.device, len(tokenizer))
-    knobs = {} if args.prefill_cost_steps is None else {"prefill_cost_steps": args.prefill_cost_steps}
+    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
     policy = MarkedPolicy(model, max_batch_size=max(args.batch), seed=0, vocab_limit=len(tokenizer),
                           **knobs, fast_path=args.fast_path == "on" or "auto")
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)

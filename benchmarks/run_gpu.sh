@@ -55,7 +55,7 @@ case "${1:-}" in
     }
     { CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda \
         --batch 64 256 --new-tokens 128 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "rollout rc=$?"; } &
-    { variant default 1; variant admit0 1 --prefill-cost-steps 0; variant cap100 1 --gather-cap 100; } &
+    { variant default 1; variant admit0 1 --admit-wait-steps 0; variant cap100 1 --gather-cap 100; } &
     wait
     for f in "$OUT"/rollout.txt "$OUT"/driver_*.txt; do echo "== $f"; grep -A12 "^batch" "$f" | grep -v Warn; tail -2 "$f"; done ;;
   *) echo "usage: bash benchmarks/run_gpu.sh single|scaling|fsdp|driver" >&2; exit 2 ;;

@@ -109,7 +109,7 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
     prompts = PROMPTS[:5]
 
     async def main():
-        async with HFPolicy(arch_model, **FAST, prefill_cost_steps=0) as policy:  # admitted at the next boundary
+        async with HFPolicy(arch_model, **FAST, admit_wait_steps=0) as policy:  # admitted at the next boundary
             tasks = []
             for p, q in zip(prompts, params):
                 tasks.append(asyncio.create_task(policy.generate(p, q)))
@@ -125,15 +125,15 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
 
 
 def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_get_alone(model):
-    """Four long rows decode; three requests arrive a step or more apart. With a prefill costlier than any wait here,
-    the three (fewer than the decoding rows) wait until the long rows end and then share one prefill; with
-    `prefill_cost_steps=0` each is admitted at the next step boundary. Each row's tokens are those it gets alone."""
+    """Four long rows decode; three requests arrive a step or more apart. With a wait longer than the long rows, the
+    three (fewer than the decoding rows) wait until those end and share one prefill; with `admit_wait_steps=0`
+    each is admitted at the next step boundary. Each row's tokens are those it gets alone."""
     params = [SamplingParams(temperature=0.9, max_new_tokens=40, seed=i) for i in range(4)]
     params += [SamplingParams(temperature=0.9, max_new_tokens=n, seed=10 + n) for n in (5, 17, 3)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 
-    async def main(cost):
-        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, **FAST, prefill_cost_steps=cost) as policy:
+    async def main(wait):
+        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, **FAST, admit_wait_steps=wait) as policy:
             tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
             for p, q in zip(prompts[4:], params[4:]):
                 passes = policy.stats["decode_passes"]
@@ -143,29 +143,30 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
             return await asyncio.gather(*tasks), dict(policy.stats)
 
     alone = [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
-    waited, stats = run(main(cost=1_000))
+    waited, stats = run(main(wait=1_000))
     assert_same(waited, alone)
     assert stats["prefill_passes"] == 2 and stats["admission_waits"] > 0
     assert stats["decode_passes"] >= 39 + 16  # the three started after the long rows
-    at_once, stats = run(main(cost=0))
+    at_once, stats = run(main(wait=0))
     assert_same(at_once, alone)
     assert stats["prefill_passes"] == 4 and stats["admission_waits"] == 0
 
 
-@given(waited=st.lists(st.integers(0, 50), max_size=12), decoding=st.integers(0, 64),
-       cost=st.sampled_from([0.0, 0.5, 2.0, 8.0, 100.0]), more=st.integers(1, 20))
-def test_admission_rule_is_rent_or_buy(waited, decoding, cost, more):
-    """Waiting requests go at once when no row decodes, they are at least as many as the decoding rows, or the
-    pass costs nothing; else they wait exactly while their summed wait is below the stall (`cost` steps of every
-    decoding row). Waiting longer, or a cheaper pass, never turns a go into a wait."""
-    waits = admission_waits(waited, decoding, cost)
-    if not decoding or len(waited) >= decoding or cost == 0:
+@given(waited=st.lists(st.integers(0, 50), max_size=12), decoding=st.integers(0, 64), wait=st.integers(0, 60),
+       more=st.integers(1, 20))
+def test_admission_waits_are_bounded(waited, decoding, wait, more):
+    """Waiting requests go at once when no row decodes or they are at least as many as the decoding rows; else they
+    wait exactly while the longest wait is under `wait` steps. Waiting longer, or a shorter bound, never turns a
+    go into a wait; nobody waits `wait` steps or more."""
+    waits = admission_waits(waited, decoding, wait)
+    if not waited or not decoding or len(waited) >= decoding:
         assert not waits
     else:
-        assert waits == (sum(waited) < decoding * cost)
+        assert waits == (max(waited) < wait)
     if not waits:
-        assert not admission_waits([w + more for w in waited], decoding, cost)
-        assert not admission_waits(waited, decoding, cost / 2)
+        assert not admission_waits([w + more for w in waited], decoding, wait)
+        assert not admission_waits(waited, decoding, wait // 2)
+    assert not admission_waits([wait] + waited, decoding, wait)
 
 
 def test_compaction_moves_the_last_rows_down_and_keeps_their_outputs(model):
@@ -310,7 +311,7 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
 
     async def main(**path):
         # arrivals admitted at the next step boundary: the third wave takes the slots as they free up
-        async with HFPolicy(model, max_batch_size=256, max_cache_len=128, prefill_cost_steps=0, **path) as policy:
+        async with HFPolicy(model, max_batch_size=256, max_cache_len=128, admit_wait_steps=0, **path) as policy:
             tasks = []
             for wave in range(0, 300, 100):
                 tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in
@@ -444,8 +445,7 @@ def test_auto_takes_the_fast_path_on_cuda_only(model):
 
 @pytest.mark.parametrize("kwargs, message", [(dict(fast_path="yes"), "fast_path"),
                                              (dict(max_cache_len=1), "max_cache_len"),
-                                             (dict(prefill_cost_steps=-1), "prefill_cost_steps"),
-                                             (dict(prefill_cost_steps=float("nan")), "prefill_cost_steps")])
+                                             (dict(admit_wait_steps=-1), "admit_wait_steps")])
 def test_bad_fast_path_arguments_are_rejected(model, kwargs, message):
     with pytest.raises(ValueError, match=message):
         HFPolicy(model, **kwargs)
