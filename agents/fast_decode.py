@@ -78,7 +78,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mt_env.collector import collector_paused
 
@@ -93,10 +92,10 @@ SAMPLING_MODES = ("greedy", "sample", "truncate")
 PREFILL_TOKENS = 32768
 #: default `max_cache_len` cap: every slot holds this many tokens, so the cache is slots x this x per-token size
 DEFAULT_MAX_CACHE_LEN = 4096
-#: the attention kernels a prefill pass may use: torch's choice without cuDNN, which builds an execution plan for
-#: every new shape (the rows and width of a pass change all the time); None: torch's own choice
-PREFILL_ATTENTION: list[SDPBackend] | None = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                                             SDPBackend.MATH]
+#: a prefill pass's width (its longest prompt) is padded to a multiple of this: Triton specializes a compiled
+#: kernel by its size arguments' divisibility by 16, and a pass of a new class then compiled one (50-90 ms on an
+#: H200, at the first pass of a new width; then cached). Padded positions are written and later overwritten.
+PREFILL_WIDTH_STEP = 16
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
 #: a (batch, length, mode) bucket is captured the n-th time a step needs it; before that its steps run uncaptured.
 #: A capture (a synchronisation, the warm-up steps, recording ~500 kernels) costs ~50-150 ms during which every row
@@ -413,6 +412,12 @@ class SlotTable:
         return moves
 
 
+def prefill_width(longest: int, max_cache_len: int) -> int:
+    """The width of a prefill pass whose longest prompt has `longest` tokens: padded to `PREFILL_WIDTH_STEP`,
+    within the cache."""
+    return min(max_cache_len, -(-longest // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP)
+
+
 def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices of `lengths` grouped for prefill passes: sorted by length (less padding), each group's padded size
     (rows x longest) within `max_tokens` (a longer prompt gets a group of its own)."""
@@ -656,9 +661,10 @@ class SlotEngine:
         self.allocate()
         s, lay = self._state, self.layout
         device = s.live.device
-        width = max(len(p) for p in prompts)
-        if width > self.max_cache_len:
-            raise ValueError(f"a prompt of {width} tokens exceeds max_cache_len {self.max_cache_len}")
+        longest = max(len(p) for p in prompts)
+        if longest > self.max_cache_len:
+            raise ValueError(f"a prompt of {longest} tokens exceeds max_cache_len {self.max_cache_len}")
+        width = prefill_width(longest, self.max_cache_len)
         n = len(prompts)
         ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long).to(device)
         lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long).to(device)
@@ -666,8 +672,7 @@ class SlotEngine:
         x = lay.embed(ids)
         cos, sin = lay.rotary(x, torch.arange(width, device=device)[None, :].expand(n, width))
         layer_fn, head = self._functions["prefill_layer"], self._functions["head_logits"]
-        attention = sdpa_kernel(PREFILL_ATTENTION) if PREFILL_ATTENTION else contextlib.nullcontext()
-        with self._compilations_counted(), attention:  # also while tracing: the compiled pass keeps the choice
+        with self._compilations_counted():
             for layer, keys, values in zip(lay.layers, s.keys, s.values):
                 x = layer_fn(layer, x, cos, sin, index, keys, values, lay.apply_rope, lay.qk_norm)
             last = x[torch.arange(n, device=device)[:, None], (lengths - 1)[:, None]]  # [n, 1, hidden], not a view

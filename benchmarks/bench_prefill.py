@@ -53,14 +53,14 @@ def main():
     ap.add_argument("--model", choices=["tiny", "qwen2.5-0.5b"], default="qwen2.5-0.5b")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     ap.add_argument("--rounds", type=int, default=3, help="times the whole sequence of shapes is replayed")
-    ap.add_argument("--torch-sdpa", action="store_true", help="experiment: the prefill's attention kernel as torch "
-                    "chooses it (agents.fast_decode.PREFILL_ATTENTION = None: cuDNN allowed)")
+    ap.add_argument("--width-step", type=int, help="experiment: agents.fast_decode.PREFILL_WIDTH_STEP (1: no "
+                    "padding of the width)")
     ap.add_argument("--profile", action="store_true", help="after the rounds, profile passes of two unseen shapes "
                     "and print their costliest host-side ops")
     ap.add_argument("--out", help="write the times as JSON here")
     args = ap.parse_args()
-    if args.torch_sdpa:
-        agents.fast_decode.PREFILL_ATTENTION = None
+    if args.width_step:
+        agents.fast_decode.PREFILL_WIDTH_STEP = args.width_step
     vocab = 151665
     model, shape = build_model(args.model, args.device, vocab)
     engine = SlotEngine(model, decoder_layout(model), max_slots=256, max_cache_len=4096, vocab_size=vocab,
@@ -79,7 +79,7 @@ def main():
         profile_unseen(engine, vocab, rng)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(model=shape, shapes=SHAPES, ms=rounds,
-                                                  torch_sdpa=args.torch_sdpa), indent=1))
+                                                  width_step=agents.fast_decode.PREFILL_WIDTH_STEP), indent=1))
 
 
 def profile_unseen(engine: SlotEngine, vocab: int, rng: random.Random) -> None:

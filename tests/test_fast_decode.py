@@ -24,9 +24,9 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen3Config, Qwen3ForCausalLM)
 
 from agents import compiling
-from agents.fast_decode import (COMPILED_FUNCTIONS, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
-                                admission_waits, batch_buckets, bucket_for, decoder_layout, prefill_groups,
-                                sample_tokens)
+from agents.fast_decode import (COMPILED_FUNCTIONS, PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling,
+                                SlotEngine, SlotTable, admission_waits, batch_buckets, bucket_for, decoder_layout,
+                                prefill_groups, prefill_width, sample_tokens)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -690,3 +690,14 @@ def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilati
     assert fallback == eager
     assert engine.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in engine.compile_reason
     assert engine.stats["compilations"] == 0
+
+
+@given(longest=st.integers(1, 5000), cap=st.integers(2, 5000))
+def test_prefill_width_is_padded_to_few_sizes_within_the_cache(longest, cap):
+    """A pass's width covers its longest prompt, is a multiple of PREFILL_WIDTH_STEP (fewer kernel variants) unless
+    the cache ends first, and adds less than one step of padding."""
+    if longest > cap:
+        return  # rejected before: the prompt does not fit
+    width = prefill_width(longest, cap)
+    assert longest <= width <= cap and width - longest < PREFILL_WIDTH_STEP
+    assert width % PREFILL_WIDTH_STEP == 0 or width == cap
