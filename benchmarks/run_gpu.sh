@@ -3,10 +3,11 @@
 #   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout (env work in 4
 #                                        # processes, then in one) | CUDA tests + RL step
 #   python3 benchmarks/profile_rollout.py --batch 256 --timeline --env-processes 4   # where the driver loses time
+#   python3 benchmarks/bench_prefill.py --profile      # prefill passes by shape: first time vs repeated
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2
 #   bash benchmarks/run_gpu.sh driver    # 2 GPUs: bench_rollout | the driver with HFPolicy's defaults, with
-#                                        # every arrival admitted at once, a longer gather (other knobs: bench_rollout.py --help)
+#                                        # a bounded admission wait, a longer gather (other knobs: bench_rollout.py --help)
 # Results go to $OUT (default benchmarks/results/run; the driver variants keep their JSON in /tmp); GSM8K is read
 # from $MT_ENV_GSM8K. A folder .whl/ of wheels, when present, is installed first (for machines without PyPI).
 set -u
@@ -23,7 +24,7 @@ single_gpu0() {
   timeout 200 python3 benchmarks/gpu_engine_check.py --quick --out "$OUT/gpu_engine_check.json" \
     > "$OUT/gpu_engine_check.txt" 2>&1; echo "gpu_engine_check rc=$?"
   timeout 260 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 \
-    --new-tokens 128 --env-processes 4 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "bench_rollout rc=$?"
+    --new-tokens 128 --env-processes 4 --repeats 3 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "bench_rollout rc=$?"
   timeout 150 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 \
     --new-tokens 128 --no-hf-static --out "$OUT/rollout_inprocess.json" > "$OUT/rollout_inprocess.txt" 2>&1
   echo "bench_rollout (env work in this process) rc=$?"
@@ -55,7 +56,7 @@ case "${1:-}" in
     }
     { CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda \
         --batch 64 256 --new-tokens 128 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1; echo "rollout rc=$?"; } &
-    { variant default 1; variant admit0 1 --admit-wait-steps 0; variant cap100 1 --gather-cap 100; } &
+    { variant default 1; variant wait8 1 --admit-wait-steps 8; variant cap100 1 --gather-cap 100; } &
     wait
     for f in "$OUT"/rollout.txt "$OUT"/driver_*.txt; do echo "== $f"; grep -A12 "^batch" "$f" | grep -v Warn; tail -2 "$f"; done ;;
   *) echo "usage: bash benchmarks/run_gpu.sh single|scaling|fsdp|driver" >&2; exit 2 ;;
