@@ -113,6 +113,9 @@ class ChatFormat:
         self.control_text_policy = control_text_in_observations
         self._backend = backend
         self._pieces: dict[str, list[int]] | None = None  # see below
+        # Renders of the same messages are reused (a GRPO group's episodes start from one prompt, and the drift
+        # check renders it again), unless the template reads the clock.
+        self._renders: dict[str, str] | None = None if "strftime_now" in tokenizer.chat_template else {}
         self.vocab_size = len(tokenizer)
 
         eot = end_of_turn or tokenizer.eos_token
@@ -150,6 +153,20 @@ class ChatFormat:
         """The template's text for `messages` (with this format's template variables, and its tools unless
         `with_tools` is False)."""
         try:
+            key = json.dumps([messages, add_generation_prompt, with_tools]) if self._renders is not None else None
+        except (TypeError, ValueError):  # content json cannot write: render it, don't keep it
+            key = None
+        text = self._renders.get(key) if key is not None else None
+        if text is None:
+            text = self._render(messages, add_generation_prompt, with_tools)
+            if key is not None:
+                if len(self._renders) >= 1024:  # bounded: every conversation's later turns are new
+                    self._renders.clear()
+                self._renders[key] = text
+        return text
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, with_tools: bool) -> str:
+        try:
             return self.tokenizer.apply_chat_template(
                 list(messages), tools=self.tools if with_tools else None, tokenize=False,
                 add_generation_prompt=add_generation_prompt, **self.template_kwargs,
@@ -173,9 +190,11 @@ class ChatFormat:
         return ids
 
     def clear_cache(self) -> None:
-        """Forget the reused piece encodings (benchmarks measure the cold cost with it)."""
+        """Forget the reused renders and piece encodings (benchmarks measure the cold cost with it)."""
         if self._pieces is not None:
             self._pieces.clear()
+        if self._renders is not None:
+            self._renders.clear()
 
     def _piece(self, piece: str) -> list[int]:
         ids = self._pieces.get(piece)

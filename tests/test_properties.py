@@ -222,3 +222,29 @@ def test_chat_format_encoding_equals_the_tokenizer(fmt, pieces):
     """ChatFormat.encode reuses encodings of text between control tokens; it must equal plain tokenization."""
     text = "".join(pieces) * 3  # long enough for the piece cache, with repeats for cache hits
     assert fmt.encode(text) == fmt.tokenizer(text, add_special_tokens=False).input_ids
+
+
+@given(contents=st.lists(untrusted_text, min_size=1, max_size=4), generation_prompt=st.booleans(),
+       with_tools=st.booleans())
+def test_chat_format_render_reuse_equals_a_fresh_render(fmt, contents, generation_prompt, with_tools):
+    """ChatFormat.render reuses the text of messages it rendered before (a GRPO group's episodes share a prompt);
+    the text must be the template's own, for these messages and no others, also after the messages change."""
+    messages = [{"role": "user" if i % 2 == 0 else "tool", "content": c} for i, c in enumerate(contents)]
+    fresh = fmt.tokenizer.apply_chat_template(messages, tools=fmt.tools if with_tools else None, tokenize=False,
+                                              add_generation_prompt=generation_prompt, **fmt.template_kwargs)
+    assert fmt.render(messages, generation_prompt, with_tools) == fresh
+    assert fmt.render(messages, generation_prompt, with_tools) == fresh  # from the reuse
+    messages[-1]["content"] += "!"
+    assert fmt.render(messages, generation_prompt, with_tools) != fresh
+
+
+def test_a_template_that_reads_the_clock_is_rendered_every_time():
+    """A template calling strftime_now is rendered anew each time (the date may have changed since)."""
+    tokenizer = offline_tokenizer("qwen2.5")
+    tokenizer.chat_template = ("{{ strftime_now('%Y') }}" + tokenizer.chat_template)
+    fmt = ChatFormat(tokenizer)
+    calls, render = [], tokenizer.apply_chat_template
+    tokenizer.apply_chat_template = lambda *a, **k: calls.append(1) or render(*a, **k)
+    for _ in range(3):
+        fmt.render([{"role": "user", "content": "hi"}], True)
+    assert len(calls) == 3
