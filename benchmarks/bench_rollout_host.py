@@ -1,0 +1,68 @@
+"""The host's share of a training rollout: a recipe's real envs and rollout driver with a policy that answers at once.
+
+Why: on the H200 the smoke recipe's rollout (256 GSM8K episodes) took 1.7-2.1 s, of which the engine was busy only
+1.3-1.8 s; the rest is this process's env work (resets, steps, training samples with their drift check) before the
+first request and after the last turn. With a `ScriptedPolicy` (random ids of the recipe's `max_new_tokens`, no
+model) the whole rollout is that work, measured here by itself on any machine.
+
+    python benchmarks/bench_rollout_host.py                       # the GSM8K smoke recipe ($MT_ENV_GSM8K)
+    python benchmarks/bench_rollout_host.py --profile 25          # and the costliest functions of one rollout
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
+
+from agents.policy import SamplingParams  # noqa: E402
+from agents.rollout import RolloutDriver  # noqa: E402
+from agents.scripted import ScriptedPolicy  # noqa: E402
+from trainers.config import load_config  # noqa: E402
+from trainers.setup import TaskSource, env_factory, make_tokenizer  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", default="gsm8k_smoke_random_0.5b.yaml")
+    ap.add_argument("--rollouts", type=int, default=5, help="timed rollouts (on new tasks each), after one warm-up")
+    ap.add_argument("--profile", type=int, metavar="N", help="profile one more rollout; print its N costliest functions")
+    args = ap.parse_args()
+    cfg = load_config(args.config, ["device=cpu"])
+    tokenizer = make_tokenizer(cfg)
+    make_env = env_factory(cfg, tokenizer)
+    tasks = TaskSource(make_env().unwrapped, seed=cfg.seed)
+    rng = random.Random(0)
+    answer = [rng.randrange(1000, len(tokenizer) // 2) for _ in range(cfg.rollout.max_new_tokens)]  # no stop token
+    policy = ScriptedPolicy(lambda prompt: answer, vocab_size=len(tokenizer))
+    episodes = cfg.rollout.prompts_per_step * cfg.rollout.n
+    driver = RolloutDriver(make_env, policy, SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens), seed=cfg.seed,
+                           max_concurrency=episodes)
+
+    def rollout(step: int) -> float:
+        start = time.perf_counter()
+        result = driver.run(tasks.next(cfg.rollout.prompts_per_step), n=cfg.rollout.n, step=step)
+        assert not result.metrics["rollout/failed"], "episodes failed: the figure would not be the host's work"
+        return time.perf_counter() - start
+
+    rollout(0)  # the env pool, the tokenizer's caches
+    seconds = [rollout(1 + i) for i in range(args.rollouts)]
+    median = statistics.median(seconds)
+    print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted policy: "
+          f"median {median:.3f} s a rollout ({median / episodes * 1e3:.2f} ms an episode; runs "
+          + ", ".join(f"{s:.3f}" for s in seconds) + ")")
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.runcall(rollout, 1 + args.rollouts)
+        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
+
+
+if __name__ == "__main__":
+    main()
