@@ -85,8 +85,8 @@ from torch import nn
 from mt_env.turn import ModelTurn
 
 from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep, RowSampling, SlotEngine,
-                          SlotTable, UnsupportedModel, admission_waits, decoder_layout, module_device, prefill_groups, sample_tokens,
-                          sampling_mode)
+                          SlotTable, UnsupportedModel, admission_waits, decoder_layout, module_device, prefill_groups,
+                          sample_tokens, sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits

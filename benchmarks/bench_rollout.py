@@ -32,7 +32,7 @@ step, the host is the bottleneck.
     python benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --new-tokens 128 --batch 64 256 512 \
         --out benchmarks/results/h200/rollout.json
     python benchmarks/bench_rollout.py ... --fast-path off               # HFPolicy's transformers path instead
-    python benchmarks/bench_rollout.py ... --env-processes 4             # the envs in 4 processes (ProcessRolloutDriver)
+    python benchmarks/bench_rollout.py ... --env-processes 4             # envs in 4 processes (ProcessRolloutDriver)
 """
 
 from __future__ import annotations

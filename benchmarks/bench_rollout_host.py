@@ -33,7 +33,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="gsm8k_smoke_random_0.5b.yaml")
     ap.add_argument("--rollouts", type=int, default=5, help="timed rollouts (on new tasks each), after one warm-up")
-    ap.add_argument("--profile", type=int, metavar="N", help="profile one more rollout; print its N costliest functions")
+    ap.add_argument("--profile", type=int, metavar="N",
+                    help="profile one more rollout; print its N costliest functions")
     args = ap.parse_args()
     cfg = load_config(args.config, ["device=cpu"])
     tokenizer = make_tokenizer(cfg)
