@@ -6,8 +6,8 @@ The worker's phases (gathering, prefill, launching a decode step, collecting one
 (reset, step) are marked by subclasses local to this script (host-clock ranges, aligned with the trace's clock
 through an "anchor" range: the profiler records CPU ranges of the profiling thread only); the device's busy time is
 the union of its kernels and copies in the trace. Every idle stretch of the device is attributed to the pair
-(worker phase, event-loop activity) at its middle: e.g. ``prefill | env.step`` is the device waiting while the worker runs an eager
-prefill pass and the event loop steps envs (both want the GIL).
+(worker phase, event-loop activity) at its middle: e.g. ``prefill | env.step`` is the device waiting while the worker
+runs a prefill pass and the event loop steps envs (both want the GIL).
 
     python benchmarks/profile_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 --new-tokens 128 \
         --out /tmp/profile    # writes profile.txt and, per run, a gzipped Chrome trace (chrome://tracing, Perfetto)
