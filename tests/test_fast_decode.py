@@ -128,7 +128,7 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
     """Four long rows decode; three requests arrive a step or more apart. With a wait longer than the long rows, the
     three (fewer than the decoding rows) wait until those end and share one prefill; with `admit_wait_steps=0`
     each is admitted at the next step boundary. Each row's tokens are those it gets alone."""
-    params = [SamplingParams(temperature=0.9, max_new_tokens=40, seed=i) for i in range(4)]
+    params = [SamplingParams(temperature=0.9, max_new_tokens=60, seed=i) for i in range(4)]
     params += [SamplingParams(temperature=0.9, max_new_tokens=n, seed=10 + n) for n in (5, 17, 3)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 
@@ -146,10 +146,12 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
     waited, stats = run(main(wait=1_000))
     assert_same(waited, alone)
     assert stats["prefill_passes"] == 2 and stats["admission_waits"] > 0
-    assert stats["decode_passes"] >= 39 + 16  # the three started after the long rows
+    assert stats["decode_passes"] >= 59 + 16  # the three started after the long rows
     at_once, stats = run(main(wait=0))
     assert_same(at_once, alone)
-    assert stats["prefill_passes"] == 4 and stats["admission_waits"] == 0
+    # (two arrivals a step apart may still meet at one boundary: the worker takes what is queued when it looks)
+    assert stats["prefill_passes"] >= 3 and stats["admission_waits"] == 0
+    assert stats["decode_passes"] < 59 + 16  # they decoded beside the long rows
 
 
 @given(waited=st.lists(st.integers(0, 50), max_size=12), decoding=st.integers(0, 64), wait=st.integers(0, 60),
