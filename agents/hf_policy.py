@@ -214,6 +214,25 @@ class _Batch:
     next_input: torch.Tensor | None = None  #: [rows], the token each row feeds next (its last sampled one)
 
 
+def new_stats() -> dict[str, int | float]:
+    """HFPolicy's scheduler counters, for benchmarks and debugging, all zero.
+
+    Passes and rows: prefill_passes, decode_passes, decoded_rows; merges and separate_batches are the transformers
+    path's; the fast path pads decode batches to a bucket (padded_rows), computes a row-step for rows that ended at
+    the step before (wasted_rows: overlapped steps), compacts slots (compaction_moves), replays graphs
+    (graph_captures, graph_replays; a bucket's first steps run uncaptured: uncaptured_steps) and may hold arrivals
+    back (admission_waits: step boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds:
+    busy_s (the worker serving: from taking work while idle until idle again), gather_s (gathering requests that
+    trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing
+    them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
+    of busy_s is the worker's bookkeeping, with its waits to take the GIL back."""
+    counts = ("prefill_passes", "decode_passes", "decoded_rows", "merges", "separate_batches", "padded_rows",
+              "wasted_rows", "compaction_moves", "graph_captures", "graph_replays", "uncaptured_steps",
+              "admission_waits", "module_reallocations", "compilations", "capture_failures")
+    seconds = ("compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
+    return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
+
+
 class HFPolicy(Policy):
     """Generate with a Hugging Face causal LM (any ``AutoModelForCausalLM``-style module) in this process.
 
@@ -296,22 +315,7 @@ class HFPolicy(Policy):
 
         self._cache_arg, self._keep_last_logits = _forward_arguments(model)
 
-        #: scheduler counters, for benchmarks and debugging: forward passes, rows decoded, merges, graph replays, ...
-        #: merges and separate_batches are the transformers path's; the fast path pads decode batches to a bucket
-        #: (padded_rows), computes a row-step for rows that ended at the step before (wasted_rows: overlapped
-        #: steps), compacts slots (compaction_moves) and replays graphs (graph_captures, graph_replays; a bucket's
-        #: first steps run uncaptured: uncaptured_steps) and holds arrivals back (admission_waits: step
-        #: boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds: busy_s (the worker
-        #: serving: from taking work while idle until idle again), gather_s (gathering requests that trickle in to
-        #: the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing them,
-        #: or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
-        #: of busy_s is the worker's bookkeeping, with its waits to take the GIL back.
-        self.stats: dict[str, int] = {"prefill_passes": 0, "decode_passes": 0, "decoded_rows": 0, "merges": 0,
-                                      "separate_batches": 0, "padded_rows": 0, "wasted_rows": 0,
-                                      "compaction_moves": 0, "graph_captures": 0, "graph_replays": 0,
-                                      "uncaptured_steps": 0, "admission_waits": 0, "module_reallocations": 0,
-                                      "compilations": 0, "compile_s": 0.0, "capture_failures": 0, "busy_s": 0.0,
-                                      "gather_s": 0.0, "prefill_s": 0.0, "launch_s": 0.0, "step_wait_s": 0.0}
+        self.stats = new_stats()  #: scheduler counters (see `new_stats`)
         cache_len = max_cache_len or max_context_len or min(positions, DEFAULT_MAX_CACHE_LEN)
         self._engine, self.fast_path_reason = self._fast_engine(fast_path, cuda_graphs, compile, cache_len)
         self.fast_path = self._engine is not None
