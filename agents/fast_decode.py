@@ -92,9 +92,10 @@ SAMPLING_MODES = ("greedy", "sample", "truncate")
 PREFILL_TOKENS = 32768
 #: default `max_cache_len` cap: every slot holds this many tokens, so the cache is slots x this x per-token size
 DEFAULT_MAX_CACHE_LEN = 4096
-#: a prefill pass's width (its longest prompt) is padded to a multiple of this: Triton specializes a compiled
-#: kernel by its size arguments' divisibility by 16, and a pass of a new class then compiled one (50-90 ms on an
-#: H200, at the first pass of a new width; then cached). Padded positions are written and later overwritten.
+#: a prefill pass's width (its longest prompt) is padded to a multiple of this, so that passes come in fewer
+#: shapes: on an H200 a shape's first pass cost 50-100 ms more than its repeats in a fresh process (cached on disk
+#: across processes; Triton specializing kernels by their size arguments' divisibility by 16 is the likely cause;
+#: `benchmarks/bench_prefill.py`). Padded positions are written and later overwritten, never attended.
 PREFILL_WIDTH_STEP = 16
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
 #: a (batch, length, mode) bucket is captured the n-th time a step needs it; before that its steps run uncaptured.

@@ -82,6 +82,9 @@ def test_training_episodes_play_in_env_processes(tmp_path, monkeypatch):
         assert r["rollout/episodes"] == 8 and r["rollout/failed"] == 0
         assert r["rollout/completed"] + r["rollout/truncated"] == 8 and r["rollout/generated_tokens"] > 0
         assert r["mismatch/logprob_abs_max"] < 1e-3 and "time/generation_s" in r
+        # the engine's counters over the step's rollout: every decoded row is one generated token (first tokens
+        # come from prefill passes)
+        assert 0 < r["engine/decoded_rows"] < r["rollout/generated_tokens"] and r["engine/prefill_passes"] >= 1
 
 
 def test_a_batch_without_trainable_tokens_is_skipped_not_crashed(tmp_path):
