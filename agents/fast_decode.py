@@ -413,10 +413,16 @@ class SlotTable:
         return moves
 
 
+def rounded_up(n: int, step: int, cap: int) -> int:
+    """`n` rounded up to a multiple of `step`, at most `cap`: the prefill's widths and the decode step's attended
+    lengths, so that passes come in few shapes."""
+    return min(cap, -(-n // step) * step)
+
+
 def prefill_width(longest: int, max_cache_len: int) -> int:
     """The width of a prefill pass whose longest prompt has `longest` tokens: padded to `PREFILL_WIDTH_STEP`,
     within the cache."""
-    return min(max_cache_len, -(-longest // PREFILL_WIDTH_STEP) * PREFILL_WIDTH_STEP)
+    return rounded_up(longest, PREFILL_WIDTH_STEP, max_cache_len)
 
 
 def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -651,7 +657,7 @@ class SlotEngine:
         """Cache positions a step attends to: `need` rounded up to `length_step`, at most `max_cache_len`."""
         if not 0 < need <= self.max_cache_len:
             raise ValueError(f"a row needs {need} cache positions; the cache holds {self.max_cache_len}")
-        return min(self.max_cache_len, -(-need // self.length_step) * self.length_step)
+        return rounded_up(need, self.length_step, self.max_cache_len)
 
     # ------------------------------------------------------------------------------------- passes
     @torch.no_grad()
