@@ -28,6 +28,7 @@ import agents.fast_decode  # noqa: E402
 from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import build_model  # noqa: E402
+from mt_env.tokenizer import load_tokenizer  # noqa: E402
 
 #: (rows, width) of the passes of a 256-episode rollout's three turns, as the H200 timelines listed them
 SHAPES = [(159, 205), (97, 205), (1, 256), (5, 346), (94, 346), (94, 346), (62, 346), (67, 346), (1, 397),
@@ -61,7 +62,7 @@ def main():
     args = ap.parse_args()
     if args.width_step:
         agents.fast_decode.PREFILL_WIDTH_STEP = args.width_step
-    vocab = 151665
+    vocab = len(load_tokenizer("offline:qwen2.5"))  # the other benchmarks' tokenizer
     model, shape = build_model(args.model, args.device, vocab)
     engine = SlotEngine(model, decoder_layout(model), max_slots=256, max_cache_len=4096, vocab_size=vocab,
                         cuda_graphs=False, compile=args.device == "cuda")

@@ -85,6 +85,10 @@ class KeepGoingEnv(CalculatorEnv):
         return "Go on."
 
 
+#: --fast-path's choices as HFPolicy's `fast_path` argument
+FAST_PATH = {"auto": "auto", "on": True, "off": False}
+
+
 def build_model(name: str, device: str, vocab: int):
     if name == "tiny":
         model = build_causal_lm(config=TINY, vocab_size=vocab)
@@ -280,10 +284,9 @@ def main():
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model, shape = build_model(args.model, args.device, len(tokenizer))
     largest = max(args.batch)
-    fast_path = {"auto": "auto", "on": True, "off": False}[args.fast_path]
     knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
-    policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer), fast_path=fast_path,
-                      **knobs)
+    policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer),
+                      fast_path=FAST_PATH[args.fast_path], **knobs)
     header = run_header(args, policy, shape, len(tokenizer))
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
     driver = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, largest,
@@ -347,23 +350,22 @@ def measure_sizes(driver, policy: HFPolicy, tasks: list[dict], args, header: dic
     """A row of figures per batch size (an error recorded as its row), printed and written as they come."""
     print(f"{'batch':>5} {'tokens':>7} {'driver tok/s':>12} {'engine tok/s':>11} {'hf static tok/s':>14} "
           f"{'eng/hf':>7} {'drv/eng':>9}   {'generation s':>12} {'tools s':>8} {'bookkeeping s':>13}")
-    rows, works = [], []
+    rows, works = [], []  # works[i]: the token work of rows[i] (None after an error)
     for i, batch in enumerate(args.batch):
         try:
             row, work = measure(driver, policy, tasks[:batch], args, step=1000 * i)
-            rows.append(row)
-            works.append(work)
         except Exception as e:  # record it and go on with the next size
-            rows.append(dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()))
-            works.append(None)
+            row, work = dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()), None
+        rows.append(row)
+        works.append(work)
         header["compile"] = policy.compile_reason
         write(rows, args, header)  # after each size: a run cut short still leaves its figures
         if not args.hf_static:
-            print_row(rows[-1])
-    # transformers' generate last, once the engine is done: in one process, a run of the engine after the
-    # compiled static generate died with a CUDA illegal memory access (see the README's Status)
-    for row, work in zip(rows, works):
-        if args.hf_static:
+            print_row(row)
+    if args.hf_static:
+        # transformers' generate last, once the engine is done: in one process, a run of the engine after the
+        # compiled static generate died with a CUDA illegal memory access (see the README's Status)
+        for row, work in zip(rows, works):
             if work is not None:
                 measure_hf_static(row, policy.model, work, args)
             print_row(row)

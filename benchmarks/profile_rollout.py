@@ -10,7 +10,7 @@ the union of its kernels and copies in the trace. Every idle stretch of the devi
 runs a prefill pass and the event loop steps envs (both want the GIL).
 
     python benchmarks/profile_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 --new-tokens 128 \
-        --out /tmp/profile    # writes profile.txt and, per run, a gzipped Chrome trace (chrome://tracing, Perfetto)
+        --out /tmp/profile    # writes profile.json and, per run, a gzipped Chrome trace (chrome://tracing, Perfetto)
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import functools
 import gc
 import gzip
 import json
-import shutil
 import sys
 import time
 from collections import Counter, defaultdict
@@ -37,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import (  # noqa: E402
-    KeepGoingEnv, build_model, make_driver, make_tasks, run_engine, turn_work)
+    FAST_PATH, KeepGoingEnv, build_model, make_driver, make_tasks, run_engine, turn_work)
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
 
 GAP_S = 50e-6  # idle stretches shorter than this are launch jitter, not lost time
@@ -232,13 +231,9 @@ def profiled(fn, out: Path, name: str) -> tuple[dict, object, list, float]:
             if cuda:
                 torch.cuda.synchronize()
     marks = list(MARKS)
-    raw = out / f"{name}.json"
-    prof.export_chrome_trace(str(raw))
-    trace = json.loads(raw.read_text())
-    with raw.open("rb") as src, gzip.open(out / f"{name}.json.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
-    raw.unlink()
-    return trace, result, marks, anchor
+    path = out / f"{name}.json.gz"
+    prof.export_chrome_trace(str(path))  # gzipped by torch (the name ends in .gz)
+    return json.loads(gzip.decompress(path.read_bytes())), result, marks, anchor
 
 
 def main():
@@ -261,11 +256,11 @@ def main():
     model, shape = build_model(args.model, args.device, len(tokenizer))
     knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
     policy = MarkedPolicy(model, max_batch_size=max(args.batch), seed=0, vocab_limit=len(tokenizer),
-                          **knobs, fast_path=args.fast_path == "on" or "auto")
+                          **knobs, fast_path=FAST_PATH[args.fast_path])
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     driver = make_driver(functools.partial(MarkedEnv, tokenizer=tokenizer), policy, sampling, max(args.batch))
     processes = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, max(args.batch),
-                            args.env_processes) if args.env_processes else None
+                            args.env_processes) if args.timeline and args.env_processes else None
     tasks = make_tasks(max(args.batch))
     report = dict(model=shape, fast_path=policy.fast_path_reason, compile=policy.compile_reason, runs={})
     try:
@@ -277,7 +272,7 @@ def main():
             if args.timeline:
                 result = timeline(lambda: driver.run(tasks[:batch], step=1), f"driver, {batch} episodes")
                 timeline(lambda: asyncio.run(run_engine(policy, turn_work(result), 1.0)), f"engine, {batch} episodes")
-                if args.env_processes:
+                if processes is not None:
                     timeline(lambda: processes.run(tasks[:batch], step=1),
                              f"driver with {args.env_processes} env processes, {batch} episodes")
                 continue
