@@ -82,7 +82,8 @@ def _actions(texts: list[str], fmt) -> list:
     cache is not involved); the texts themselves without a tokenizer."""
     if fmt is None:
         return texts
-    return [ModelTurn(ids=ids + [fmt.end_of_turn_id]) for ids in fmt.encode_batch(texts)]
+    encoded = fmt.tokenizer(texts, add_special_tokens=False).input_ids
+    return [ModelTurn(ids=ids + [fmt.end_of_turn_id]) for ids in encoded]
 
 
 def envs_rows(envs):

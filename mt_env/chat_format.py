@@ -115,7 +115,9 @@ class ChatFormat:
         self._pieces: dict[str, list[int]] | None = None  # see below
         # Renders of the same messages are reused (a GRPO group's episodes start from one prompt, and the drift
         # check renders it again), unless the template reads the clock.
-        self._renders: dict[str, str] | None = None if "strftime_now" in tokenizer.chat_template else {}
+        templates = tokenizer.chat_template  # one template, or a dict of named ones
+        source = " ".join(templates.values()) if isinstance(templates, Mapping) else templates
+        self._renders: dict[str, str] | None = None if "strftime_now" in source else {}
         self.vocab_size = len(tokenizer)
 
         eot = end_of_turn or tokenizer.eos_token
@@ -152,17 +154,15 @@ class ChatFormat:
                with_tools: bool = True) -> str:
         """The template's text for `messages` (with this format's template variables, and its tools unless
         `with_tools` is False)."""
+        if self._renders is None:
+            return self._render(messages, add_generation_prompt, with_tools)
         try:
-            key = json.dumps([messages, add_generation_prompt, with_tools]) if self._renders is not None else None
+            key = json.dumps([messages, add_generation_prompt, with_tools])
         except (TypeError, ValueError):  # content json cannot write: render it, don't keep it
-            key = None
-        text = self._renders.get(key) if key is not None else None
+            return self._render(messages, add_generation_prompt, with_tools)
+        text = self._renders.get(key)
         if text is None:
-            text = self._render(messages, add_generation_prompt, with_tools)
-            if key is not None:
-                if len(self._renders) >= 1024:  # bounded: every conversation's later turns are new
-                    self._renders.clear()
-                self._renders[key] = text
+            text = _remember(self._renders, key, self._render(messages, add_generation_prompt, with_tools), 1024)
         return text
 
     def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool, with_tools: bool) -> str:
@@ -199,14 +199,8 @@ class ChatFormat:
     def _piece(self, piece: str) -> list[int]:
         ids = self._pieces.get(piece)
         if ids is None:
-            ids = self._backend.encode(piece, add_special_tokens=False).ids
-            if len(self._pieces) >= 4096:  # bounded: unique pieces (tool outputs) must not grow it forever
-                self._pieces.clear()
-            self._pieces[piece] = ids
+            ids = _remember(self._pieces, piece, self._backend.encode(piece, add_special_tokens=False).ids, 4096)
         return ids
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [e.ids for e in self._backend.encode_batch(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, control tokens included (so that it can be compared with rendered templates)."""
@@ -347,3 +341,12 @@ def shared_chat_format(tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None
     if fmt is None:
         fmt = _in_use[key] = ChatFormat(tokenizer, tools=tools, template_kwargs=template_kwargs)
     return fmt
+
+
+def _remember(cache: dict, key: Any, value: Any, limit: int) -> Any:
+    """Store `value` under `key` and return it; a cache at `limit` entries is emptied first (bounded: unique
+    entries — tool outputs, later turns — must not grow it forever)."""
+    if len(cache) >= limit:
+        cache.clear()
+    cache[key] = value
+    return value

@@ -413,8 +413,7 @@ class Conversation:
             got = "".join(s.text for s in segs[:last])
             if got != expected:
                 raise DriftError(self._text_diff(index, segs[:last], got, expected))
-            runs = _template_runs(segs[:last])
-            for start, end, text in runs:
+            for start, end, text in _template_runs(segs[:last]):
                 ids = self.fmt.encode(text)  # the system prompt's and tools' pieces are encoded once per format
                 if sample.ids[start:end] != ids:
                     raise DriftError(self._token_diff(index, start, end, text, sample.ids[start:end], ids))

@@ -356,7 +356,7 @@ class SGLangParser(ToolCallParser):
             return ParsedTurn(text.strip(), [], [ParseError("malformed_json", f"sglang could not parse the tool "
                                                                               f"calls: {shorten(str(e))}", text)])
         turn = ParsedTurn(content.strip())
-        if not items and content.strip() != text.strip():  # the detector took text and gave no call: say so
+        if not items and turn.content != text.strip():  # the detector took text and gave no call: say so
             turn.errors.append(ParseError("malformed_json", f"sglang's {self.format!r} detector dropped part of the "
                                                             f"turn without a tool call (e.g. JSON it could not "
                                                             f"decode strictly)", text))

@@ -223,4 +223,3 @@ class ToolVectorEnv(VectorEnv):
     def _run(self, coro):
         with collector_paused():
             return self._loop.run_until_complete(coro)
-
