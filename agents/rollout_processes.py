@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import multiprocessing
 import pickle
@@ -33,7 +34,6 @@ import signal
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 import cloudpickle
 import gymnasium as gym
@@ -48,18 +48,6 @@ from .rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, fir
 
 class EnvProcessError(RuntimeError):
     """An env process died or could not run its share of a rollout."""
-
-
-@dataclass
-class _DriverSpec:
-    """What each env process builds its `RolloutDriver` from (sent once, by cloudpickle)."""
-
-    env: Callable[[], gym.Env] | str
-    env_kwargs: dict | None
-    sampling: SamplingParams
-    max_concurrency: int
-    generation_timeout_s: float | None
-    seed: int
 
 
 class ProcessRolloutDriver:
@@ -81,8 +69,10 @@ class ProcessRolloutDriver:
         self.progress = progress
         per_process = max(1, -(-max_concurrency // processes))
         try:
-            self._spec = cloudpickle.dumps(_DriverSpec(env, env_kwargs, self.sampling, per_process,
-                                                       generation_timeout_s, seed))
+            # what each env process builds its RolloutDriver from, given its RemotePolicy (sent once)
+            self._spec = cloudpickle.dumps(functools.partial(RolloutDriver, env, env_kwargs=env_kwargs,
+                                                             max_concurrency=per_process,
+                                                             generation_timeout_s=generation_timeout_s, seed=seed))
         except Exception as e:
             raise TypeError(f"the env of a ProcessRolloutDriver must be picklable by cloudpickle (a registered "
                             f"Gymnasium id, a class, or a function that builds the env), and {env!r} with "
@@ -192,7 +182,7 @@ class _EnvProcess:
                         f"env process {self.index} died (exit code {self.process.exitcode})"))
 
         self.idle = False
-        self._send(("play", tasks, ids, step, sampling))
+        self._send(("play", tasks, ids, step, sampling, on_finished is not None))
         loop.add_reader(self.conn.fileno(), on_message)
         try:
             records, spent = await done
@@ -225,8 +215,6 @@ class _EnvProcess:
                       answers: dict[int, asyncio.Task]) -> None:
         try:
             turn = await policy.generate(prompt_ids, params)
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # raised in the env process, where the in-process driver would have seen it
             self._send(("failed", key, portable(e, EnvProcessError)))
         else:
@@ -305,13 +293,12 @@ def _env_process_main(conn) -> None:
     it is ignored."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        s: _DriverSpec = cloudpickle.loads(conn.recv_bytes())
+        make_driver = cloudpickle.loads(conn.recv_bytes())
     except Exception as e:  # e.g. the env's class cannot be imported here: the first rollout raises this
         conn.send(("error", EnvProcessError(f"env process could not load its env: {type(e).__name__}: {e}")))
         return
     policy = RemotePolicy(conn)
-    driver = RolloutDriver(s.env, policy, s.sampling, env_kwargs=s.env_kwargs, max_concurrency=s.max_concurrency,
-                           generation_timeout_s=s.generation_timeout_s, seed=s.seed)
+    driver = make_driver(policy=policy)
     try:
         while True:
             try:
@@ -320,9 +307,9 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "close":
                 return
-            _, tasks, ids, step, sampling = message
+            _, tasks, ids, step, sampling, progress = message
             try:
-                records, spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling))
+                records, spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling, progress))
             except BaseException as e:
                 conn.send(("error", portable(e, EnvProcessError)))
                 if not isinstance(e, Exception):
@@ -333,12 +320,14 @@ def _env_process_main(conn) -> None:
         driver.close()
 
 
-async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling):
+async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling,
+                      progress: bool):
+    """Play a share; each finished episode is reported (for the progress bar) only when `progress`."""
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), policy.on_message)
     try:
-        return await driver.play(tasks, ids, step, sampling,
-                                 on_finished=lambda record: conn.send(("finished", _slim(record))))
+        report = (lambda record: conn.send(("finished", _slim(record)))) if progress else None
+        return await driver.play(tasks, ids, step, sampling, on_finished=report)
     finally:
         loop.remove_reader(conn.fileno())
 

@@ -362,8 +362,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     seen = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) if batch.old_logprobs is None else None
     token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens
     generator = torch.Generator().manual_seed(hash((cfg.seed, step)) % 2**31)
-    # mini-batches per epoch, asked of the processes once (without old logprobs `single_update` found it is 1)
-    n_mini = 1 if batch.old_logprobs is None else minibatch_count(len(batch), accelerator, cfg)
+    n_mini = minibatch_count(len(batch), accelerator, cfg)  # mini-batches per epoch, asked of the processes once
     models.policy.train()
     optimizer_steps = 0
     for _ in range(cfg.trainer.epochs):
@@ -565,7 +564,7 @@ def reduce_metrics(accelerator, metrics: dict) -> dict:
 
 
 # ================================================================================================== helpers
-def _add(stats: dict, key: str, value: float) -> None:
+def _add(stats: dict, key: str, value: float | torch.Tensor) -> None:
     stats.setdefault(key, []).append(value)
 
 

@@ -47,9 +47,8 @@ class LocalRollouts:
         before = dict(getattr(self.backend, "stats", {}))
         with self.gathered():
             result = self.driver.run(tasks, n=n, step=step)
-        for key, value in getattr(self.backend, "stats", {}).items():
-            if isinstance(value, (int, float)) and key in before:
-                result.metrics[f"engine/{key}"] = float(value - before[key])
+        after = getattr(self.backend, "stats", {})  # the embedded engine's (numbers only); SGLang keeps none here
+        result.metrics.update({f"engine/{key}": float(after[key] - value) for key, value in before.items()})
         return result
 
     def evaluate(self, tasks: list[dict], step: int) -> dict:
