@@ -402,12 +402,12 @@ class ProcessInstance:
         self.restarts += 1
         timeout = self.tool.settings.timeout
         try:
-            created = await asyncio.wait_for(
-                self._worker.call("create", (self._instance_id,), self._create_kwargs), timeout)
-        except BaseException as e:
+            async with asyncio.timeout(timeout) as limit:
+                created = await self._worker.call("create", (self._instance_id,), self._create_kwargs)
+        except BaseException:
             self._worker.kill()  # it holds no instance: the next call tries again in a new one
             self._worker = None
-            if isinstance(e, TimeoutError):
+            if limit.expired():  # our limit, not a TimeoutError the tool's create raised itself
                 raise ToolError(f"tool {self.tool.name!r} could not create its instance again in a new worker "
                                 f"process within {timeout}s") from None
             raise

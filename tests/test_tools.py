@@ -25,7 +25,7 @@ from mt_env.parsers import HermesParser, ToolCall, get_parser
 from mt_env.tools import BaseTool, ToolBox, ToolResponse, cap_calls
 from mt_env.vector import ToolVectorEnv
 
-from .uncooperative_tools import HANG_CAP_S, BlockingTool, SlowStartTool, ThreadTool
+from .uncooperative_tools import HANG_CAP_S, BlockingTool, SlowStartTool, ThreadTool, TimeoutOnRecreateTool
 
 
 def schema(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
@@ -646,6 +646,23 @@ def test_a_crashed_worker_is_an_error_observation_and_the_next_call_gets_a_fresh
     assert failed.error_kind == "exception" and failed.text.startswith("Error: refused in process ")  # as written
     assert after.ok and after.text.split()[0] == "a" and after.text.split()[1] != before.text.split()[1]
     assert box.counts["released"] == 1
+
+
+def test_a_tools_own_timeout_while_creating_its_instance_again_is_not_reported_as_ours(tmp_path):
+    """After a crash the instance is created again in a new worker; a TimeoutError the tool's create raises there is
+    the tool's error, not "could not create its instance again within Ns" (the limit did not expire)."""
+    marker = tmp_path / "recreate"
+    tool = TimeoutOnRecreateTool({"isolation": "process", "timeout": 30, "recreate_fails": str(marker)})
+
+    async def episode():
+        async with ToolBox([tool]) as box:
+            await box.create_all({"block": {"create_kwargs": {"label": "a"}}})
+            marker.touch()
+            return await box.execute(ToolCall("block", {"how": "crash"})), await box.execute(answer())
+
+    crashed, after = asyncio.run(episode())
+    assert crashed.error_kind == "exception" and after.error_kind == "exception"
+    assert "the tool's own upstream timed out" in after.text and "could not create" not in after.text
 
 
 @pytest.mark.parametrize("same_turn", [False, True])

@@ -88,3 +88,13 @@ class ThreadTool(BaseTool):
             self.gate.wait(HANG_CAP_S)
         self.returned += 1
         return "done"
+
+
+class TimeoutOnRecreateTool(BlockingTool):
+    """Its `create` raises a TimeoutError of its own once the file at ``config["recreate_fails"]`` exists: the
+    instance created again in a new worker after a crash fails as the tool says, within no limit of ours."""
+
+    async def create(self, instance_id=None, **create_kwargs):
+        if os.path.exists(self.config["recreate_fails"]):
+            raise TimeoutError("the tool's own upstream timed out")
+        return await super().create(instance_id, **create_kwargs)
