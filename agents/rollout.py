@@ -17,6 +17,7 @@ it is counted — never silently dropped. A prompt longer than the token budget 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import enum
@@ -26,7 +27,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -158,7 +159,43 @@ class _Activity:
             self.end(kind)
 
 
-class RolloutDriver:
+class EpisodeDriver(abc.ABC):
+    """What every rollout driver offers around its own `play`: `run` and `arun` (the episode ids of a rollout, a
+    progress bar when asked, the wall time; then the result, its samples tagged with their group and episode — the
+    driver alone knows which samples belong together — and its metrics). Subclasses set `sampling` and `progress`."""
+
+    sampling: SamplingParams
+    progress: bool
+
+    def run(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
+        """Synchronous `arun` (in a fresh event loop)."""
+        return asyncio.run(self.arun(tasks, n, step, **sampling_overrides))
+
+    async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
+        """Play every task `n` times (groups of `n` for GRPO), all concurrently; returns records and metrics."""
+        sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
+        ids = episode_ids(len(tasks), n)
+        bar = RolloutProgress(len(ids)) if self.progress else None
+        start = time.perf_counter()
+        try:
+            records, spent = await self.play(tasks, ids, step, sampling, bar)
+        finally:
+            if bar is not None:
+                bar.close()
+        for k, record in enumerate(records):
+            for sample in record.samples:
+                sample.group, sample.episode = record.id.group, k
+        return RolloutResult(records, _metrics(records, time.perf_counter() - start, spent))
+
+    @abc.abstractmethod
+    async def play(self, tasks: Sequence[dict] | Mapping[int, dict], ids: Sequence[EpisodeId], step: int,
+                   sampling: SamplingParams, on_finished: Callable[[EpisodeRecord], None] | None = None
+                   ) -> tuple[list[EpisodeRecord], Counter]:
+        """Play the episodes `ids` (episode ``(g, i)`` plays ``tasks[g]``); returns their records, in the order of
+        `ids`, and the wall-time split. `on_finished` is told of each episode as it ends."""
+
+
+class RolloutDriver(EpisodeDriver):
     """Runs episodes of one env type against one policy.
 
     Args:
@@ -187,16 +224,6 @@ class RolloutDriver:
         self._created = 0
 
     # ----------------------------------------------------------------------------------------- public
-    def run(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
-        """Synchronous `arun` (in a fresh event loop)."""
-        return asyncio.run(self.arun(tasks, n, step, **sampling_overrides))
-
-    async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
-        """Play every task `n` times (groups of `n` for GRPO), all concurrently; returns records and metrics."""
-        sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
-        return await timed_rollout(lambda ids, progress: self.play(tasks, ids, step, sampling, progress),
-                                   len(tasks), n, self.progress)
-
     async def play(self, tasks: Sequence[dict] | Mapping[int, dict], ids: Sequence[EpisodeId], step: int,
                    sampling: SamplingParams, on_finished: Callable[[EpisodeRecord], None] | None = None
                    ) -> tuple[list[EpisodeRecord], Counter]:
@@ -323,25 +350,6 @@ def episode_ids(groups: int, n: int) -> list[EpisodeId]:
     if n < 1:
         raise ValueError("n must be >= 1")
     return [EpisodeId(g, i) for g in range(groups) for i in range(n)]
-
-
-async def timed_rollout(play: Callable[[list[EpisodeId], Callable | None], Awaitable[tuple[list, Counter]]],
-                        groups: int, n: int, progress: bool) -> RolloutResult:
-    """What every driver's `arun` does around its own `play(ids, on_finished)`: the rollout's episodes, a progress
-    bar when asked, the wall time; then the result, its samples tagged with their group and episode (the driver
-    alone knows which samples belong together), and its metrics."""
-    ids = episode_ids(groups, n)
-    bar = RolloutProgress(len(ids)) if progress else None
-    start = time.perf_counter()
-    try:
-        records, spent = await play(ids, bar)
-    finally:
-        if bar is not None:
-            bar.close()
-    for k, record in enumerate(records):
-        for sample in record.samples:
-            sample.group, sample.episode = record.id.group, k
-    return RolloutResult(records, _metrics(records, time.perf_counter() - start, spent))
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:

@@ -43,14 +43,14 @@ from mt_env.errors import portable
 from mt_env.turn import ModelTurn
 
 from .policy import Policy, SamplingParams
-from .rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult, first_error, timed_rollout
+from .rollout import EpisodeDriver, EpisodeId, EpisodeRecord, RolloutDriver, first_error
 
 
 class EnvProcessError(RuntimeError):
     """An env process died or could not run its share of a rollout."""
 
 
-class ProcessRolloutDriver:
+class ProcessRolloutDriver(EpisodeDriver):
     """`RolloutDriver`'s interface (`run`, `arun`, `close`) with the episodes' env work in `processes` processes.
 
     Args: those of `RolloutDriver`, and
@@ -79,20 +79,10 @@ class ProcessRolloutDriver:
                             f"env_kwargs {env_kwargs!r} is not: {type(e).__name__}: {e}") from e
         self._workers: list[_EnvProcess] = []
 
-    def run(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
-        """Synchronous `arun` (in a fresh event loop)."""
-        return asyncio.run(self.arun(tasks, n, step, **sampling_overrides))
-
-    async def arun(self, tasks: Sequence[dict], n: int = 1, step: int = 0, **sampling_overrides) -> RolloutResult:
-        """Play every task `n` times, the episodes dealt to the env processes; returns what `RolloutDriver.arun`
-        returns for the same arguments."""
-        sampling = self.sampling.replace(**sampling_overrides) if sampling_overrides else self.sampling
-        return await timed_rollout(lambda ids, progress: self._play(tasks, ids, step, sampling, progress),
-                                   len(tasks), n, self.progress)
-
-    async def _play(self, tasks: Sequence[dict], ids: list[EpisodeId], step: int, sampling: SamplingParams,
-                    on_finished: Callable[[EpisodeRecord], None] | None) -> tuple[list[EpisodeRecord], Counter]:
-        """`RolloutDriver.play` over the processes: each plays every `processes`-th episode."""
+    async def play(self, tasks: Sequence[dict], ids: Sequence[EpisodeId], step: int, sampling: SamplingParams,
+                   on_finished: Callable[[EpisodeRecord], None] | None = None) -> tuple[list[EpisodeRecord], Counter]:
+        """`RolloutDriver.play` over the processes: each plays every `processes`-th episode (`run` and `arun`
+        return what `RolloutDriver`'s return for the same arguments)."""
         shares = [ids[k::self.processes] for k in range(self.processes)]
         try:
             workers = self._started()
