@@ -78,6 +78,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from mt_env.collector import collector_paused
 
@@ -93,10 +94,16 @@ PREFILL_TOKENS = 32768
 #: default `max_cache_len` cap: every slot holds this many tokens, so the cache is slots x this x per-token size
 DEFAULT_MAX_CACHE_LEN = 4096
 #: a prefill pass's width (its longest prompt) is padded to a multiple of this, so that passes come in fewer
-#: shapes: on an H200 a shape's first pass cost 50-100 ms more than its repeats in a fresh process (cached on disk
-#: across processes; Triton specializing kernels by their size arguments' divisibility by 16 is the likely cause;
-#: `benchmarks/bench_prefill.py`). Padded positions are written and later overwritten, never attended.
+#: shapes. Padded positions are written and later overwritten, never attended.
 PREFILL_WIDTH_STEP = 16
+#: the attention kernels a prefill pass may use: torch's own choice except cuDNN. On an H200 torch picks cuDNN, which
+#: builds an execution plan (runtime-compiled kernels) for every new (rows, width) shape: 40-100 ms of host time at a
+#: shape's first pass while every decoding row waits, and the rows and width of a pass change all the time
+#: (`benchmarks/bench_prefill.py --profile`: ``aten::_cudnn_attention_forward``). Flash attention has no such cost.
+#: Set inside the compiled function, so that the choice is part of its graph (and of Inductor's cache key).
+PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: the same for the decode step; None: torch's own choice (its shapes are few: batch and length buckets, captured)
+DECODE_ATTENTION: list[SDPBackend] | None = None
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
 #: a (batch, length, mode) bucket is captured the n-th time a step needs it; before that its steps run uncaptured.
 #: A capture (a synchronisation, the warm-up steps, recording ~500 kernels) costs ~50-150 ms during which every row
@@ -292,8 +299,9 @@ def decode_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torc
     keys.index_put_((slot, head, at[:, None]), k[:, :, 0])  # in place on the whole cache: no copy when compiled
     values.index_put_((slot, head, at[:, None]), v[:, :, 0])
     q = q.reshape(rows, kv_heads, -1, q.shape[-1])
-    out = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length], attn_mask=mask,
-                                         scale=attn.scaling)
+    with _attention_kernels(DECODE_ATTENTION):
+        out = F.scaled_dot_product_attention(q, keys[:rows, :, :length], values[:rows, :, :length], attn_mask=mask,
+                                             scale=attn.scaling)
     x = x + attn.o_proj(out.reshape(rows, 1, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
@@ -322,9 +330,15 @@ def prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
     values.index_put_(at, v)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
+    with _attention_kernels(PREFILL_ATTENTION):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _attention_kernels(backends: list[SDPBackend] | None):
+    """SDPA restricted to `backends` (None: torch's own choice)."""
+    return sdpa_kernel(backends) if backends else contextlib.nullcontext()
 
 
 STEP_FUNCTIONS = (step_inputs, decode_layer, head_logits)

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
 import agents.fast_decode  # noqa: E402
+from agents.compiling import COMPILE_COUNTS  # noqa: E402
 from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import build_model  # noqa: E402
@@ -56,6 +57,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="times the whole sequence of shapes is replayed")
     ap.add_argument("--width-step", type=int, help="experiment: agents.fast_decode.PREFILL_WIDTH_STEP (1: no "
                     "padding of the width)")
+    ap.add_argument("--eager", action="store_true", help="experiment: the prefill uncompiled (does a new shape cost "
+                    "more the first time without Inductor too?)")
     ap.add_argument("--profile", action="store_true", help="after the rounds, profile passes of two unseen shapes "
                     "and print their costliest host-side ops")
     ap.add_argument("--out", help="write the times as JSON here")
@@ -65,14 +68,17 @@ def main():
     vocab = len(load_tokenizer("offline:qwen2.5"))  # the other benchmarks' tokenizer
     model, shape = build_model(args.model, args.device, vocab)
     engine = SlotEngine(model, decoder_layout(model), max_slots=256, max_cache_len=4096, vocab_size=vocab,
-                        cuda_graphs=False, compile=args.device == "cuda")
+                        cuda_graphs=False, compile=args.device == "cuda" and not args.eager)
     rng = random.Random(0)
     start = time.perf_counter()
     timed_pass(engine, 4, 64, vocab, rng)  # compiles the prefill's functions
     print(f"model: {shape}\nfirst pass (compilation): {time.perf_counter() - start:.1f} s\n")
     rounds = []
     for r in range(args.rounds):
+        compilations = dict(COMPILE_COUNTS)
         rounds.append([timed_pass(engine, rows, width, vocab, rng) * 1e3 for rows, width in SHAPES])
+        print(f"round {r + 1}: {COMPILE_COUNTS['compilations'] - compilations['compilations']} compilation(s), "
+              f"{COMPILE_COUNTS['compile_s'] - compilations['compile_s']:.1f} s")
     print(f"{'rows':>5} {'width':>6} {'tokens':>7}  " + "  ".join(f"round {r + 1} ms" for r in range(args.rounds)))
     for i, (rows, width) in enumerate(SHAPES):
         print(f"{rows:>5} {width:>6} {rows * width:>7}  " + "  ".join(f"{t[i]:>10.1f}" for t in rounds))
@@ -91,7 +97,8 @@ def profile_unseen(engine: SlotEngine, vocab: int, rng: random.Random) -> None:
     with profile(activities=activities) as prof:
         for rows, width in ((11, 301), (23, 433)):
             print(f"unseen shape ({rows}, {width}): {timed_pass(engine, rows, width, vocab, rng) * 1e3:.1f} ms")
-    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70))
+    for key in ("cpu_time_total", "self_cpu_time_total"):  # the calls that hold the time, then where it is spent
+        print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70))
 
 
 if __name__ == "__main__":

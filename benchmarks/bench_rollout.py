@@ -58,6 +58,7 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
+import agents.fast_decode  # noqa: E402
 import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
@@ -262,6 +263,9 @@ def arguments() -> argparse.Namespace:
                     "admits every arrival at the next step boundary)")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
                     "objects alive then are never scanned again)")
+    ap.add_argument("--decode-attention", choices=["torch", "no-cudnn"], default="torch", help="experiment: the "
+                    "decode step's attention kernels (agents.fast_decode.DECODE_ATTENTION): torch's choice, or the "
+                    "prefill's (no cuDNN)")
     ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
                     "(agents.rollout_processes.ProcessRolloutDriver); 0: in this process (RolloutDriver)")
     ap.add_argument("--out", help="write the figures as JSON here")
@@ -279,6 +283,8 @@ def main():
         agents.hf_policy.SERVING_SWITCH_INTERVAL_S = args.switch_interval
     if args.gather_cap is not None:
         agents.hf_policy.GATHER_CAP_WINDOWS = args.gather_cap
+    if args.decode_attention == "no-cudnn":  # before the step is first traced: the choice is baked into its graph
+        agents.fast_decode.DECODE_ATTENTION = agents.fast_decode.PREFILL_ATTENTION
 
     tokenizer = load_tokenizer(args.tokenizer)
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -332,7 +338,8 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
-                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes)
+                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes,
+                  decode_attention=args.decode_attention)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "

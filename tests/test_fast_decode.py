@@ -631,6 +631,28 @@ def test_warming_the_buckets_changes_no_rows_outputs_and_needs_free_slots(model)
         engine.warm_buckets()  # its rows still hold their slots
 
 
+def test_prefill_attention_never_allows_cudnn_and_decode_attention_is_torchs_choice(model, monkeypatch):
+    """cuDNN's attention builds a plan per new shape (40-100 ms on an H200, while every decoding row waits), and a
+    prefill pass's (rows, width) change all the time: its SDPA calls run with cuDNN disabled. The decode step's few
+    bucketed shapes keep torch's choice (`DECODE_ATTENTION` None). Checked on the functions the engine compiles."""
+    import torch.nn.functional as F
+
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, *args, **kwargs):
+        seen.append((kwargs.get("is_causal", False), torch.backends.cuda.cudnn_sdp_enabled()))  # prefill: causal
+        return sdpa(q, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+    engine_steps(model, compile=False)
+    prefill = {enabled for is_prefill, enabled in seen if is_prefill}
+    assert prefill == {False}
+    assert {enabled for is_prefill, enabled in seen if not is_prefill} == {cudnn_before}
+    assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before  # restored after each call
+
+
 @CPU_INDUCTOR
 def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
         fresh_compilations):
