@@ -33,8 +33,10 @@ optimizer step the next token sees the new weights) through its own layer loop:
   (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one compilation for all layers and
   buckets; eager where compilation fails) and the step is captured per (batch bucket, length bucket, sampling
   mode) into a ``torch.cuda.CUDAGraph`` on that bucket's `CAPTURE_ON_USE`-th step (the first ones run uncaptured:
-  a bucket that a few stray rows pass through once does not pay a capture), after a warm-up on a side stream,
-  where compilation happens; all graphs share one memory pool, and their inputs and outputs are the engine's
+  a bucket that a few stray rows pass through once does not pay a capture) — or, where the graph of a larger
+  bucket can run the step in its place (`stand_in`: free slots as padding rows, a longer length masked), that
+  graph until the bucket's `CAPTURE_WITH_STAND_IN`-th step — after a warm-up on a side stream, where compilation
+  happens; all graphs share one memory pool, and their inputs and outputs are the engine's
   persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a
   module whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
   addresses (`SlotEngine.check_module`) and the graphs are captured again (checked before each prefill: weights
@@ -70,7 +72,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +111,12 @@ WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handle
 #: A capture (a synchronisation, the warm-up steps, recording ~500 kernels) costs ~50-150 ms during which every row
 #: waits, worth it for a bucket that recurs; buckets that a few stray rows pass through for a step or two do not.
 CAPTURE_ON_USE = 3
+#: a bucket that a captured graph of a larger bucket can stand in for (`stand_in`) runs that graph until its own n-th
+#: use, then is captured. Rent or buy: a stand-in step costs ~1-2 ms more than the bucket's own graph would (an H200,
+#: 0.5B model: padding rows up to 256, attention over a longer length), a capture ~50-150 ms; so a bucket that a lone
+#: early finisher passes through for a few steps never stalls the batch for a capture or for uncaptured steps
+#: (whose first run of a shape also builds the attention kernel's plan), and one that recurs is captured.
+CAPTURE_WITH_STAND_IN = 64
 
 
 class UnsupportedModel(ValueError):
@@ -367,6 +375,15 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"{n} rows exceed the largest bucket {buckets[-1]}")
 
 
+def stand_in(key: tuple[int, int, str], captured: Iterable[tuple[int, int, str]]) -> tuple[int, int, str] | None:
+    """The captured (batch bucket, length bucket, mode) that can run a step of `key` in its place: the same
+    sampling mode, at least as many rows (the extra slots are free: padding rows, which change no slot's state) and
+    at least as long (the length mask hides what a row has not filled); the smallest such, or None."""
+    rows, length, mode = key
+    fits = [k for k in captured if k[2] == mode and k[0] >= rows and k[1] >= length]
+    return min(fits, key=lambda k: (k[0], k[1]), default=None)
+
+
 class SlotTable:
     """Which row holds which KV slot (host side; the KV itself lives in `SlotEngine`).
 
@@ -521,8 +538,9 @@ class SlotEngine:
 
     Slots are indices in [0, max_slots); the caller (HFPolicy with a `SlotTable`) decides which rows hold them.
     `compile`: run the decode step's functions compiled by Inductor (`agents.compiling`). `stats` is the caller's
-    counter dict: this adds ``graph_captures``, ``graph_replays``, ``module_reallocations``, ``compilations`` and
-    ``compile_s`` (those this engine's steps triggered), ``capture_failures``.
+    counter dict: this adds ``graph_captures``, ``graph_replays``, ``stand_in_replays``, ``uncaptured_steps``,
+    ``module_reallocations``, ``compilations`` and ``compile_s`` (those this engine's steps triggered),
+    ``capture_failures``.
     """
 
     def __init__(self, model: nn.Module, layout: DecoderLayout, *, max_slots: int, max_cache_len: int,
@@ -535,15 +553,15 @@ class SlotEngine:
         self.max_slots, self.max_cache_len, self.vocab_size = max_slots, max_cache_len, vocab_size
         self.cuda_graphs, self.length_step = cuda_graphs, length_step
         self.stats = stats if stats is not None else {}
-        for key in ("graph_captures", "graph_replays", "uncaptured_steps", "module_reallocations", "compilations",
-                    "compile_s", "capture_failures"):
+        for key in ("graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps", "module_reallocations",
+                    "compilations", "compile_s", "capture_failures"):
             self.stats.setdefault(key, 0)
         self._functions = {fn.__name__: compiled(fn) if compile else fn for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
         self._state: _SlotState | None = None
         self._graphs: dict[tuple[int, int, str], Any] = {}
-        self._uses: dict[tuple[int, int, str], int] = {}  #: uncaptured steps of each bucket not captured yet
+        self._uses: dict[tuple[int, int, str], int] = {}  #: steps of each bucket not captured yet
         self._pool: Any = None
         self._side_stream: Any = None
         self._module_key: tuple | None = None  #: (device, dtype, parameter addresses) the cache and graphs are for
@@ -798,13 +816,20 @@ class SlotEngine:
 
     # ------------------------------------------------------------------------------------- CUDA graphs
     def _replay(self, key: tuple[int, int, str]) -> None:
+        """The step of `key` from its graph; before it is captured, from a larger bucket's graph (`stand_in`) or
+        uncaptured, until its `CAPTURE_WITH_STAND_IN`-th or `CAPTURE_ON_USE`-th use."""
         graph = self._graphs.get(key)
-        if graph is None and self._uses.get(key, 0) < CAPTURE_ON_USE - 1:
-            self._uses[key] = self._uses.get(key, 0) + 1
-            self.stats["uncaptured_steps"] += 1
-            self._run_decode(*key)
-            return
         if graph is None:
+            uses = self._uses[key] = self._uses.get(key, 0) + 1
+            larger = stand_in(key, self._graphs)
+            if larger is not None and uses < CAPTURE_WITH_STAND_IN:
+                self._graphs[larger].replay()
+                self.stats["stand_in_replays"] += 1
+                return
+            if larger is None and uses < CAPTURE_ON_USE:
+                self.stats["uncaptured_steps"] += 1
+                self._run_decode(*key)
+                return
             torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
             self._warm_up(key)  # an error here is the step's own: it propagates
             try:

@@ -220,14 +220,15 @@ def new_stats() -> dict[str, int | float]:
     Passes and rows: prefill_passes, decode_passes, decoded_rows; merges and separate_batches are the transformers
     path's; the fast path pads decode batches to a bucket (padded_rows), computes a row-step for rows that ended at
     the step before (wasted_rows: overlapped steps), compacts slots (compaction_moves), replays graphs
-    (graph_captures, graph_replays; a bucket's first steps run uncaptured: uncaptured_steps) and may hold arrivals
+    (graph_captures, graph_replays; before a bucket is captured its steps run a larger bucket's graph,
+    stand_in_replays, or uncaptured, uncaptured_steps) and may hold arrivals
     back (admission_waits: step boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds:
     busy_s (the worker serving: from taking work while idle until idle again), gather_s (gathering requests that
     trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing
     them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
     of busy_s is the worker's bookkeeping, with its waits to take the GIL back."""
     counts = ("prefill_passes", "decode_passes", "decoded_rows", "merges", "separate_batches", "padded_rows",
-              "wasted_rows", "compaction_moves", "graph_captures", "graph_replays", "uncaptured_steps",
+              "wasted_rows", "compaction_moves", "graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps",
               "admission_waits", "module_reallocations", "compilations", "capture_failures")
     seconds = ("compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
     return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)

@@ -217,7 +217,8 @@ def print_row(row: dict) -> None:
         print(f"      {name:<6} passes: {p['prefill_passes']} prefill, {p['decode_passes']} decode "
               f"({p['decoded_rows'] / steps:.1f} rows + {p['wasted_rows'] / steps:.1f} wasted + "
               f"{p['padded_rows'] / steps:.1f} padding each), "
-              f"{p['graph_replays']} graph replays, {p['graph_captures']} captures, "
+              f"{p['graph_replays']} graph replays, {p['stand_in_replays']} by a larger bucket's graph, "
+              f"{p['graph_captures']} captures, "
               f"{p['uncaptured_steps']} uncaptured, {p['admission_waits']} admission waits, "
               f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn, "
               f"{p['compilations']} compilations ({p['compile_s']:.1f} s)")

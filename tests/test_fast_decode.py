@@ -26,7 +26,7 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from agents import compiling
 from agents.fast_decode import (COMPILED_FUNCTIONS, PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling,
                                 SlotEngine, SlotTable, admission_waits, batch_buckets, bucket_for, decoder_layout,
-                                prefill_groups, prefill_width, sample_tokens)
+                                prefill_groups, prefill_width, sample_tokens, stand_in)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -621,6 +621,48 @@ def engine_steps(model, compile: bool, modes=("sample",), warm: bool = False) ->
             need = max(engine.slot_lengths()[:rows]) + 1
             out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
     return out, engine
+
+
+KEYS = st.tuples(st.integers(1, 300), st.integers(1, 4096), st.sampled_from(SAMPLING_MODES))
+
+
+@given(key=KEYS, captured=st.sets(KEYS, max_size=12))
+def test_a_stand_in_is_the_smallest_captured_bucket_covering_the_step(key, captured):
+    """The graph that runs a step of `key` in its place: captured, the same mode, no fewer rows, no shorter; the
+    smallest such (rows first), and None only when none covers it."""
+    rows, length, mode = key
+    covering = {k for k in captured if k[2] == mode and k[0] >= rows and k[1] >= length}
+    chosen = stand_in(key, captured)
+    if not covering:
+        assert chosen is None
+        return
+    assert chosen in covering
+    assert all((chosen[0], chosen[1]) <= (k[0], k[1]) for k in covering)
+
+
+def test_a_step_run_by_a_larger_buckets_graph_gives_the_rows_what_their_own_bucket_gives(model):
+    """What a stand-in runs: the step over more slots (free ones as padding) and a longer attended length. The
+    live rows get the same tokens and logprobs, and the engine the same slot state, step after step."""
+    def steps(extra_rows: int, extra_length: int):
+        engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=128, vocab_size=VOCAB,
+                            cuda_graphs=False, length_step=16)
+        params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
+        rng, out = random.Random(0), []
+        with torch.no_grad():
+            out.append(engine.prefill([0, 1, 2], [[1, 2, 3], [4] * 9, [5] * 20],
+                                      RowSampling.draw(params, [random.Random(i) for i in range(3)], VOCAB)))
+            for _ in range(12):
+                need = max(engine.slot_lengths()[:3]) + 1
+                uniforms = [rng.random() for _ in range(4)] + [0.5] * extra_rows
+                tokens, logprobs = engine.step(4 + extra_rows, need + extra_length, uniforms, "sample")
+                out.append((tokens[:3], logprobs[:3]))
+        return out, engine.slot_lengths()[:3]
+
+    own, own_lengths = steps(0, 0)
+    larger, larger_lengths = steps(4, 40)
+    assert own_lengths == larger_lengths
+    for (ids, logprobs), (ref_ids, ref_logprobs) in zip(larger, own, strict=True):
+        assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
 
 
 def test_warming_the_buckets_changes_no_rows_outputs_and_needs_free_slots(model):
