@@ -17,7 +17,10 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
   episode never waits for the slowest row.
 * **Requests that arrive while a batch runs join it at a step boundary** and share every forward pass from then
   on: at the next one (on the fast path, optionally after up to `admit_wait_steps` steps, so that arrivals a few
-  steps apart share one prefill pass).
+  steps apart share one prefill pass). On the fast path, arrivals that outnumber the decoding rows are gathered
+  as by an idle worker (a batch whose turns ended together, while an early finisher decodes alone): the wait
+  stalls the few decoding rows, where admitting each trickle as it comes would give it a prefill pass that
+  stalls them all.
 * Batch size is capped by `max_batch_size` rows in flight; more requests wait in the queue.
 
 Two paths do the passes:
@@ -522,7 +525,24 @@ class HFPolicy(Policy):
                     return True
             finally:
                 self.stats["gather_s"] += time.perf_counter() - start
-        return self._drain()
+            return self._drain()
+        waiting = len(self._waiting)
+        if self._drain():
+            return True
+        if not self._gathers_while_busy(arrived=len(self._waiting) - waiting):
+            return False
+        start = time.perf_counter()
+        try:
+            return self._gather()
+        finally:
+            self.stats["gather_s"] += time.perf_counter() - start
+
+    def _gathers_while_busy(self, arrived: int) -> bool:
+        """Whether the busy fast path gathers arrivals as an idle worker does: some just `arrived`, the waiting
+        are at least as many as the decoding rows, and more would fit (see the module docstring)."""
+        if self._slots is None or not arrived:
+            return False
+        return self._slots.held_count() <= len(self._waiting) < self._slots.free_count()
 
     def _serving(self, on: bool) -> None:
         """The worker serves (it took work while idle; called again after each scheduling step to bring busy_s up
@@ -535,7 +555,8 @@ class HFPolicy(Policy):
         self._serving_since = now if on else None
 
     def _gather(self) -> bool:
-        """With the worker idle and a first request waiting: take more until none arrived for `gather_window_s`,
+        """With a first request waiting and the worker idle (or `_gathers_while_busy`): take more until none
+        arrived for `gather_window_s`,
         the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns
         ended together, processed one after another by the caller) then share one prefill. The window is a real
         wait on the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
