@@ -62,6 +62,8 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
 #: costs the sum of its sequences' attention, not T² — the dense block-diagonal mask SDPA needs would compute (and
 #: mask) every pair of tokens across sequences, as much work as the rest of the model at T ≈ 10k.
 SDPA_VARLEN = "sdpa_varlen"
+#: the dtypes flash attention's kernels take; a float32 model's packed rows get the dense block-diagonal mask
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _registered(attn_implementation: str) -> str:
@@ -108,8 +110,9 @@ def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementat
 
     Restarting position ids alone do not separate sequences: sdpa and flex attention would still let a sequence
     attend to the one packed before it. For ``flex_attention`` this returns a `BlockMask`; otherwise an additive
-    float mask [1, 1, T, T] (0 where attention is allowed, the dtype's minimum elsewhere). On CUDA, ``sdpa`` models
-    need no mask: they run flash attention's variable-length kernel on the sequence boundaries (`SDPA_VARLEN`).
+    float mask [1, 1, T, T] (0 where attention is allowed, the dtype's minimum elsewhere). On CUDA, half-precision
+    ``sdpa`` models need no mask: they run flash attention's variable-length kernel on the sequence boundaries
+    (`SDPA_VARLEN`; flash takes fp16/bf16 only, so float32 models keep the mask).
     """
     T = seq_ids.shape[-1]
     if implementation == "flex_attention":
@@ -134,7 +137,9 @@ def _attention_kwargs(model_config, input_ids, attention_mask, position_ids, seq
         return dict(attention_mask=attention_mask, position_ids=position_ids)
     # packed layout: one row, causal attention within each sequence
     impl = getattr(model_config, "_attn_implementation", "sdpa")
-    if impl == SDPA_VARLEN and input_ids.is_cuda:  # the sequence boundaries, for flash attention's varlen kernel
+    if torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")  # what attention computes in
+    if impl == SDPA_VARLEN and input_ids.is_cuda and dtype in VARLEN_DTYPES:  # boundaries for the varlen kernel
         lengths = torch.bincount(seq_ids[0])
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         max_len = int(lengths.max())
