@@ -42,7 +42,7 @@ PHASES = ("rollout", "old_logprob", "ref", "update")
 #: seconds went on the generation side
 ENGINE_KEYS = tuple(f"engine/{k}" for k in ("busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s",
                                             "prefill_passes", "decode_passes", "decoded_rows", "admission_waits",
-                                            "graph_captures", "uncaptured_steps"))
+                                            "graph_captures", "stand_in_replays", "uncaptured_steps"))
 GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
 
 

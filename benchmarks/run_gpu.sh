@@ -1,5 +1,7 @@
 #!/bin/bash
 # The GPU measurements behind the README's figures, in the groups they were run (each fits a 10-minute call).
+#   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes with generate + CUDA tests
+#   bash benchmarks/run_gpu.sh step1     # 1 GPU: RL step + prefill passes by shape, profiled + CUDA trainer tests
 #   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout (env work in 4
 #                                        # processes, then in one) | CUDA tests + RL step
 #   python3 benchmarks/profile_rollout.py --batch 256 --timeline --env-processes 4   # where the driver loses time
@@ -38,6 +40,21 @@ single_gpu1() {
 }
 
 case "${1:-}" in
+  rollout1)
+    timeout 400 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 512 \
+      --new-tokens 128 --env-processes 4 --repeats 3 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1
+    echo "bench_rollout rc=$?"; grep -v "Warn\|warn" "$OUT/rollout.txt" | tail -24
+    MT_ENV_TEST_DEVICE=cuda timeout 170 python3 -m pytest tests/test_fast_decode.py tests/test_policy_hf.py \
+      tests/test_algos.py -q -x -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1; echo "cuda tests rc=$?"
+    tail -4 "$OUT/cuda_tests.txt" ;;
+  step1)
+    timeout 200 python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" > "$OUT/rl_step.txt" 2>&1
+    echo "bench_rl_step rc=$?"; tail -9 "$OUT/rl_step.txt"
+    TORCHINDUCTOR_CACHE_DIR=/tmp/ic-prefill TRITON_CACHE_DIR=/tmp/tc-prefill timeout 200 python3 \
+      benchmarks/bench_prefill.py --profile --out "$OUT/prefill_profile.json" > "$OUT/prefill_profile.txt" 2>&1
+    echo "bench_prefill rc=$?"
+    MT_ENV_TEST_DEVICE=cuda timeout 100 python3 -m pytest tests/test_algos.py -q -x -p no:cacheprovider \
+      > "$OUT/cuda_tests_algos.txt" 2>&1; echo "cuda tests rc=$?"; tail -2 "$OUT/cuda_tests_algos.txt" ;;
   single)
     CUDA_VISIBLE_DEVICES=0 single_gpu0 & CUDA_VISIBLE_DEVICES=1 single_gpu1 & wait
     tail -40 "$OUT/gpu_engine_check.txt"; tail -25 "$OUT/rollout.txt"; tail -5 "$OUT/cuda_tests.txt"
