@@ -231,8 +231,8 @@ def new_stats() -> dict[str, int | float]:
     them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
     of busy_s is the worker's bookkeeping, with its waits to take the GIL back."""
     counts = ("prefill_passes", "decode_passes", "decoded_rows", "merges", "separate_batches", "padded_rows",
-              "wasted_rows", "compaction_moves", "graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps",
-              "admission_waits", "module_reallocations", "compilations", "capture_failures")
+              "wasted_rows", "compaction_moves", "graph_captures", "graph_replays", "stand_in_replays",
+              "uncaptured_steps", "admission_waits", "module_reallocations", "compilations", "capture_failures")
     seconds = ("compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
     return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
 
@@ -556,10 +556,10 @@ class HFPolicy(Policy):
 
     def _gather(self) -> bool:
         """With a first request waiting and the worker idle (or `_gathers_while_busy`): take more until none
-        arrived for `gather_window_s`,
-        the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns
-        ended together, processed one after another by the caller) then share one prefill. The window is a real
-        wait on the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
+        arrived for `gather_window_s`, the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that
+        trickle in (episodes whose turns ended together, processed one after another by the caller) then share one
+        prefill. The window is a real wait on the queue: time spent waiting for the GIL (a busy caller) never counts
+        as quiet."""
         deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
         while len(self._waiting) < self.max_batch_size:
             if self._drain():
