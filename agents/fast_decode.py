@@ -613,9 +613,10 @@ class SlotEngine:
     @torch.no_grad()
     def warm_buckets(self) -> None:
         """Run the decode step once for every batch bucket, at the shortest length, with no row holding a slot (it
-        changes no slot's state). Why: the compiled step's kernels are generated per size class (Triton specializes
-        them by divisibility), and a bucket that a few stray rows reach late — one episode whose turn ended early,
-        decoding alone — then paid ~100 ms for its first step while every other row waited (H200)."""
+        changes no slot's state). Why: a bucket's first step builds what its shapes need (Inductor's kernels for a
+        new size class, the attention kernel's plan: torch picks cuDNN's for the decode step on an H200), and a
+        bucket that a few stray rows reach late — one episode whose turn ended early, decoding alone — then paid
+        ~100 ms for its first step while every other row waited (H200)."""
         self.allocate()
         if bool(self._state.live.any()):
             raise RuntimeError("warm_buckets runs before any row holds a slot")

@@ -513,23 +513,18 @@ class HFPolicy(Policy):
         return True
 
     def _take_requests(self) -> bool:
-        """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do. True
-        when close() asks to stop."""
+        """Move queued requests to `_waiting` (running queued calls), blocking while there is nothing to do, and
+        gather more when `_gathers` says so. True when close() asks to stop."""
+        waiting = len(self._waiting)
         if not self._busy():
             self._serving(False)
             item = self._queue.get()
             self._serving(True)
-            start = time.perf_counter()
-            try:
-                if self._accept(item) or (self._waiting and self._gather()):
-                    return True
-            finally:
-                self.stats["gather_s"] += time.perf_counter() - start
-            return self._drain()
-        waiting = len(self._waiting)
+            if self._accept(item):
+                return True
         if self._drain():
             return True
-        if not self._gathers_while_busy(arrived=len(self._waiting) - waiting):
+        if not self._gathers(arrived=len(self._waiting) - waiting):
             return False
         start = time.perf_counter()
         try:
@@ -537,11 +532,14 @@ class HFPolicy(Policy):
         finally:
             self.stats["gather_s"] += time.perf_counter() - start
 
-    def _gathers_while_busy(self, arrived: int) -> bool:
-        """Whether the busy fast path gathers arrivals as an idle worker does: some just `arrived`, the waiting
-        are at least as many as the decoding rows, and more would fit (see the module docstring)."""
-        if self._slots is None or not arrived:
+    def _gathers(self, arrived: int) -> bool:
+        """Whether to gather requests that trickle in before the next pass: some just `arrived` and the waiting are
+        at least as many as the rows decoding — always when the worker was idle; on the fast path also while rows
+        decode, as long as more would fit (see the module docstring)."""
+        if not arrived:
             return False
+        if self._slots is None:
+            return not self._batches
         return self._slots.held_count() <= len(self._waiting) < self._slots.free_count()
 
     def _serving(self, on: bool) -> None:
@@ -555,11 +553,10 @@ class HFPolicy(Policy):
         self._serving_since = now if on else None
 
     def _gather(self) -> bool:
-        """With a first request waiting and the worker idle (or `_gathers_while_busy`): take more until none
-        arrived for `gather_window_s`, the batch is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that
-        trickle in (episodes whose turns ended together, processed one after another by the caller) then share one
-        prefill. The window is a real wait on the queue: time spent waiting for the GIL (a busy caller) never counts
-        as quiet."""
+        """With a first request waiting (`_gathers`): take more until none arrived for `gather_window_s`, the batch
+        is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns ended
+        together, processed one after another by the caller) then share one prefill. The window is a real wait on
+        the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
         deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
         while len(self._waiting) < self.max_batch_size:
             if self._drain():

@@ -784,7 +784,7 @@ def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilati
 
 @given(longest=st.integers(1, 5000), cap=st.integers(2, 5000))
 def test_prefill_width_is_padded_to_few_sizes_within_the_cache(longest, cap):
-    """A pass's width covers its longest prompt, is a multiple of PREFILL_WIDTH_STEP (fewer kernel variants) unless
+    """A pass's width covers its longest prompt, is a multiple of PREFILL_WIDTH_STEP (fewer shapes) unless
     the cache ends first, and adds less than one step of padding."""
     if longest > cap:
         return  # rejected before: the prompt does not fit
