@@ -21,8 +21,9 @@ optimizer step the next token sees the new weights) through its own layer loop:
   batch bucket, plans moves of the few rows above it into free slots below it (`SlotEngine.move` copies only
   those rows' KV).
 * **Prefill** (`prefill_layer` per layer, then `head_logits`; compiled on CUDA like the decode step, not captured):
-  prompts right-padded into one tensor, causal attention (right padding keeps real tokens from seeing padding; the
-  padding's own K/V land beyond each row's length, where they are masked and later overwritten), K/V written
+  prompts right-padded into one tensor of a width rounded up to `PREFILL_WIDTH_STEP`, causal attention without
+  cuDNN (`PREFILL_ATTENTION`: its plans are built per shape) (right padding keeps real tokens from seeing padding;
+  the padding's own K/V land beyond each row's length, where they are masked and later overwritten), K/V written
   straight into the rows' slots, the LM head only at each row's last real position.
 * **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_logits`, then
   `sample_tokens`; run eagerly or captured): the new token's K/V are written in place at each row's own position;
@@ -33,11 +34,11 @@ optimizer step the next token sees the new weights) through its own layer loop:
   (`agents.compiling`: fused norms, RoPE, residual adds and SiLU x mul; one compilation for all layers and
   buckets; eager where compilation fails) and the step is captured per (batch bucket, length bucket, sampling
   mode) into a ``torch.cuda.CUDAGraph`` on that bucket's `CAPTURE_ON_USE`-th step (the first ones run uncaptured:
-  a bucket that a few stray rows pass through once does not pay a capture) — or, where the graph of a larger
-  bucket can run the step in its place (`stand_in`: free slots as padding rows, a longer length masked), that
-  graph until the bucket's `CAPTURE_WITH_STAND_IN`-th step — after a warm-up on a side stream, where compilation
-  happens; all graphs share one memory pool, and their inputs and outputs are the engine's
-  persistent per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a
+  a bucket that a few stray rows pass through once does not pay a capture), after a warm-up on a side stream,
+  where compilation happens; where the graph of a larger bucket can run the step in its place (`stand_in`: free
+  slots as padding rows, a longer length masked), that graph runs it until the bucket's `CAPTURE_WITH_STAND_IN`-th
+  step instead. All graphs share one memory pool, and their inputs and outputs are the engine's persistent
+  per-slot buffers. Optimizer steps and `copy_` update parameters in place, so graphs see new weights; a
   module whose parameters were reallocated (``.to()``, ``load_state_dict(assign=True)``) is detected by its parameters'
   addresses (`SlotEngine.check_module`) and the graphs are captured again (checked before each prefill: weights
   change between generations). A step that cannot be captured runs eagerly (`SlotEngine.capture_failure`).
@@ -117,6 +118,9 @@ CAPTURE_ON_USE = 3
 #: early finisher passes through for a few steps never stalls the batch for a capture or for uncaptured steps
 #: (whose first run of a shape also builds the attention kernel's plan), and one that recurs is captured.
 CAPTURE_WITH_STAND_IN = 64
+#: the counters a `SlotEngine` adds to its caller's stats
+ENGINE_COUNTERS = ("graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps", "module_reallocations",
+                   "compilations", "compile_s", "capture_failures")
 
 
 class UnsupportedModel(ValueError):
@@ -538,9 +542,8 @@ class SlotEngine:
 
     Slots are indices in [0, max_slots); the caller (HFPolicy with a `SlotTable`) decides which rows hold them.
     `compile`: run the decode step's functions compiled by Inductor (`agents.compiling`). `stats` is the caller's
-    counter dict: this adds ``graph_captures``, ``graph_replays``, ``stand_in_replays``, ``uncaptured_steps``,
-    ``module_reallocations``, ``compilations`` and ``compile_s`` (those this engine's steps triggered),
-    ``capture_failures``.
+    counter dict: this adds `ENGINE_COUNTERS` (``compilations`` and ``compile_s``: those this engine's steps
+    triggered).
     """
 
     def __init__(self, model: nn.Module, layout: DecoderLayout, *, max_slots: int, max_cache_len: int,
@@ -553,15 +556,16 @@ class SlotEngine:
         self.max_slots, self.max_cache_len, self.vocab_size = max_slots, max_cache_len, vocab_size
         self.cuda_graphs, self.length_step = cuda_graphs, length_step
         self.stats = stats if stats is not None else {}
-        for key in ("graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps", "module_reallocations",
-                    "compilations", "compile_s", "capture_failures"):
+        for key in ENGINE_COUNTERS:
             self.stats.setdefault(key, 0)
         self._functions = {fn.__name__: compiled(fn) if compile else fn for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
         self._state: _SlotState | None = None
         self._graphs: dict[tuple[int, int, str], Any] = {}
-        self._uses: dict[tuple[int, int, str], int] = {}  #: steps of each bucket not captured yet
+        #: steps of each bucket before its capture (kept after: a bucket used before is captured again at once
+        #: when the graphs are dropped, e.g. for reallocated parameters)
+        self._uses: dict[tuple[int, int, str], int] = {}
         self._pool: Any = None
         self._side_stream: Any = None
         self._module_key: tuple | None = None  #: (device, dtype, parameter addresses) the cache and graphs are for
@@ -737,8 +741,9 @@ class SlotEngine:
 
     @torch.no_grad()
     def launch(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> LaunchedStep:
-        """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding),
-        and the copy of its outputs to host memory; on CUDA, return without waiting for the device. Each live slot
+        """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding;
+        slots from `rows` on must be free: a larger bucket's graph may run the step), and the copy of its outputs to
+        host memory; on CUDA, return without waiting for the device. Each live slot
         feeds its next token and samples one. `need`: the most cache positions a live row attends to (its filled
         length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn).
 

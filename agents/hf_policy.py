@@ -17,8 +17,8 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
   episode never waits for the slowest row.
 * **Requests that arrive while a batch runs join it at a step boundary** and share every forward pass from then
   on: at the next one (on the fast path, optionally after up to `admit_wait_steps` steps, so that arrivals a few
-  steps apart share one prefill pass). On the fast path, arrivals that outnumber the decoding rows are gathered
-  as by an idle worker (a batch whose turns ended together, while an early finisher decodes alone): the wait
+  steps apart share one prefill pass). On the fast path, arrivals at least as many as the decoding rows are
+  gathered as by an idle worker (a batch whose turns ended together, while an early finisher decodes alone): the wait
   stalls the few decoding rows, where admitting each trickle as it comes would give it a prefill pass that
   stalls them all.
 * Batch size is capped by `max_batch_size` rows in flight; more requests wait in the queue.
@@ -87,9 +87,9 @@ from torch import nn
 
 from mt_env.turn import ModelTurn
 
-from .fast_decode import (DEFAULT_MAX_CACHE_LEN, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep, RowSampling, SlotEngine,
-                          SlotTable, UnsupportedModel, admission_waits, decoder_layout, module_device, prefill_groups,
-                          sample_tokens, sampling_mode)
+from .fast_decode import (DEFAULT_MAX_CACHE_LEN, ENGINE_COUNTERS, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep,
+                          RowSampling, SlotEngine, SlotTable, UnsupportedModel, admission_waits, decoder_layout,
+                          module_device, prefill_groups, prefill_width, sample_tokens, sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
@@ -224,15 +224,14 @@ def new_stats() -> dict[str, int | float]:
     path's; the fast path pads decode batches to a bucket (padded_rows), computes a row-step for rows that ended at
     the step before (wasted_rows: overlapped steps), compacts slots (compaction_moves), replays graphs
     (graph_captures, graph_replays; before a bucket is captured its steps run a larger bucket's graph,
-    stand_in_replays, or uncaptured, uncaptured_steps) and may hold arrivals
-    back (admission_waits: step boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds:
-    busy_s (the worker serving: from taking work while idle until idle again), gather_s (gathering requests that
-    trickle in to the idle worker), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing
+    stand_in_replays, or uncaptured, uncaptured_steps; `fast_decode.ENGINE_COUNTERS`) and may hold arrivals back
+    (admission_waits: step boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds: busy_s
+    (the worker serving: from taking work while idle until idle again), gather_s (gathering requests that trickle
+    in, see `_gathers`), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing
     them, or capturing a graph; on CPU computing them), step_wait_s (waiting for launched steps' outputs); the rest
     of busy_s is the worker's bookkeeping, with its waits to take the GIL back."""
     counts = ("prefill_passes", "decode_passes", "decoded_rows", "merges", "separate_batches", "padded_rows",
-              "wasted_rows", "compaction_moves", "graph_captures", "graph_replays", "stand_in_replays",
-              "uncaptured_steps", "admission_waits", "module_reallocations", "compilations", "capture_failures")
+              "wasted_rows", "compaction_moves", "admission_waits", *ENGINE_COUNTERS)
     seconds = ("compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
     return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
 
@@ -243,8 +242,8 @@ class HFPolicy(Policy):
     Args:
         model: the module to run; shared, not copied. Device and dtype follow it (also if it is moved later).
         max_batch_size: most rows decoded together; further requests wait.
-        gather_window_s: when idle, gather requests until none arrived for this long (see above) before starting
-            a batch.
+        gather_window_s: gather requests until none arrived for this long (see above: when idle, and on the fast
+            path while fewer rows decode than wait) before their prefill.
         max_context_len: prompt + generation limit; defaults to ``config.max_position_embeddings`` (and to
             `max_cache_len` on the fast path). Generation that reaches it ends with ``"length"``; longer prompts
             are rejected.
@@ -558,11 +557,12 @@ class HFPolicy(Policy):
         together, processed one after another by the caller) then share one prefill. The window is a real wait on
         the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
         deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
-        while len(self._waiting) < self.max_batch_size:
+        room = self._slots.free_count() if self._slots is not None else self.max_batch_size  # all that can join
+        while len(self._waiting) < room:
             if self._drain():
                 return True
             timeout = min(self.gather_window_s, deadline - time.perf_counter())
-            if len(self._waiting) >= self.max_batch_size or timeout <= 0:
+            if len(self._waiting) >= room or timeout <= 0:
                 return False
             try:
                 item = self._queue.get(timeout=timeout)
@@ -675,7 +675,8 @@ class HFPolicy(Policy):
         except Exception as e:
             self._fail(new, "prefill", e)
             return
-        for group in prefill_groups([len(r.prompt) for r in new], PREFILL_TOKENS):
+        widths = [prefill_width(len(r.prompt), self._engine.max_cache_len) for r in new]  # as the pass pads them
+        for group in prefill_groups(widths, PREFILL_TOKENS):
             self._prefill_slots([new[i] for i in group])
 
     def _admission_waits(self) -> bool:

@@ -227,8 +227,7 @@ class RolloutDriver(EpisodeDriver):
     async def play(self, tasks: Sequence[dict] | Mapping[int, dict], ids: Sequence[EpisodeId], step: int,
                    sampling: SamplingParams, on_finished: Callable[[EpisodeRecord], None] | None = None
                    ) -> tuple[list[EpisodeRecord], Counter]:
-        """Play the episodes `ids` (episode ``(g, i)`` plays ``tasks[g]``) concurrently; returns their records, in
-        the order of `ids`, and the wall-time split (`_Activity`). `on_finished` is told of each episode as it ends."""
+        """`EpisodeDriver.play`, the episodes concurrently in this process (the wall-time split: `_Activity`)."""
         records = [EpisodeRecord(id=e) for e in ids]
         for r in records:
             r.enter(EpisodeState.PENDING)

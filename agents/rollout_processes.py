@@ -82,7 +82,7 @@ class ProcessRolloutDriver(EpisodeDriver):
     async def play(self, tasks: Sequence[dict], ids: Sequence[EpisodeId], step: int, sampling: SamplingParams,
                    on_finished: Callable[[EpisodeRecord], None] | None = None) -> tuple[list[EpisodeRecord], Counter]:
         """`RolloutDriver.play` over the processes: each plays every `processes`-th episode (`run` and `arun`
-        return what `RolloutDriver`'s return for the same arguments)."""
+        return what `RolloutDriver`'s do for the same arguments)."""
         shares = [ids[k::self.processes] for k in range(self.processes)]
         try:
             workers = self._started()
