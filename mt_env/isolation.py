@@ -243,17 +243,21 @@ class WorkerProcess:
         """Start the process (in a thread: the first start also starts the forkserver) and wait until it has built
         its tool."""
         started = asyncio.get_running_loop().run_in_executor(None, self.process.start)
+        limit = None
         try:
             await asyncio.shield(started)
             self._child_conn.close()
-            await asyncio.wait_for(self._reply(), WORKER_START_TIMEOUT_S)
+            async with asyncio.timeout(WORKER_START_TIMEOUT_S) as limit:
+                await self._reply()
         except asyncio.CancelledError:
             started.add_done_callback(lambda _: self.kill())  # at once, or when a start under way is done
             raise
         except TimeoutError:
             self.kill()
-            raise ToolError(f"the worker process of tool {self.tool_name!r} did not start within "
-                            f"{WORKER_START_TIMEOUT_S}s") from None
+            if limit is not None and limit.expired():  # our limit, not a TimeoutError the tool's constructor raised
+                raise ToolError(f"the worker process of tool {self.tool_name!r} did not start within "
+                                f"{WORKER_START_TIMEOUT_S}s") from None
+            raise
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         """``tool.<method>(*args, **kwargs)`` in the process. Cancelling the call kills the process: the call

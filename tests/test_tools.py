@@ -25,7 +25,8 @@ from mt_env.parsers import HermesParser, ToolCall, get_parser
 from mt_env.tools import BaseTool, ToolBox, ToolResponse, cap_calls
 from mt_env.vector import ToolVectorEnv
 
-from .uncooperative_tools import HANG_CAP_S, BlockingTool, SlowStartTool, ThreadTool, TimeoutOnRecreateTool
+from .uncooperative_tools import (HANG_CAP_S, BlockingTool, SlowStartTool, ThreadTool, TimeoutOnRecreateTool,
+                                  TimeoutOnStartTool)
 
 
 def schema(name: str, properties: dict | None = None, required: list[str] | None = None) -> dict:
@@ -663,6 +664,21 @@ def test_a_tools_own_timeout_while_creating_its_instance_again_is_not_reported_a
     crashed, after = asyncio.run(episode())
     assert crashed.error_kind == "exception" and after.error_kind == "exception"
     assert "the tool's own upstream timed out" in after.text and "could not create" not in after.text
+
+
+def test_a_tools_own_timeout_while_its_worker_starts_is_not_reported_as_ours():
+    """A TimeoutError the tool's constructor raises in its worker process is the tool's error, not "did not start
+    within Ns" (our limit did not expire)."""
+    tool = TimeoutOnStartTool({"isolation": "process", "timeout": 30})
+
+    async def episode():
+        async with ToolBox([tool]) as box:
+            await box.create_all({"block": {"create_kwargs": {"label": "a"}}})
+
+    with pytest.raises(Exception) as caught:
+        asyncio.run(episode())
+    chain = f"{caught.value} {caught.value.__cause__} {caught.value.__context__}"
+    assert "license server timed out" in chain and "did not start" not in chain
 
 
 @pytest.mark.parametrize("same_turn", [False, True])

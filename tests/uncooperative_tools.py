@@ -98,3 +98,13 @@ class TimeoutOnRecreateTool(BlockingTool):
         if os.path.exists(self.config["recreate_fails"]):
             raise TimeoutError("the tool's own upstream timed out")
         return await super().create(instance_id, **create_kwargs)
+
+
+class TimeoutOnStartTool(BlockingTool):
+    """A `BlockingTool` whose construction in a worker process raises a TimeoutError of its own (the parent process
+    builds its copy as usual): the worker's start fails as the tool says, within no limit of ours."""
+
+    def __init__(self, config=None, tool_schema=None):
+        super().__init__(config, tool_schema)
+        if multiprocessing.parent_process() is not None:  # in a worker process
+            raise TimeoutError("the tool's own license server timed out")
