@@ -67,9 +67,10 @@ _VERL_FLEXIBLE = re.compile(r"(\-?[0-9\.\,]+)")
 def normalize_number(text: Any) -> str | None:
     """The last number in `text`, written canonically and exactly: ``"1,234.50"`` → ``"1234.5"``, ``"72.0"`` →
     ``"72"``, however many digits; two numbers are equal iff their canonical forms are. None when there is none. A
-    float (a JSON number; numpy's too, as a parquet file gives them) is read with all its digits (``1e+20`` would
-    read as the number 20)."""
-    found = _NUMBER.findall(format(Decimal(repr(float(text))), "f") if isinstance(text, float) else str(text))
+    float (a JSON number; numpy's too, of any width, as a parquet file gives them) is read with all its digits
+    (``1e+20`` would read as the number 20)."""
+    number = isinstance(text, (float, np.floating))
+    found = _NUMBER.findall(format(Decimal(repr(float(text))), "f") if number else str(text))
     if not found:
         return None
     value = Decimal(found[-1].replace(",", ""))

@@ -117,6 +117,8 @@ def test_lenient_numbers_are_exact():
     # floats, numpy's too (a parquet file's numbers): read with all their digits
     assert [normalize_number(x) for x in (72.0, 1e20, np.float64(72.5), np.float32(0.5))] == [
         "72", "100000000000000000000", "72.5", "0.5"]
+    # a numpy float32 is no Python float: its str ("2.5e+10") would read as 2.5
+    assert normalize_number(np.float32(2.5e10)) == normalize_number(float(np.float32(2.5e10))) == "24999999488"
 
 
 # verl/tools/gsm8k_tool.py scores str(answer): models write {"answer": 72} constantly.
