@@ -742,7 +742,7 @@ class SlotEngine:
     @torch.no_grad()
     def launch(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> LaunchedStep:
         """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding;
-        slots from `rows` on must be free: a larger bucket's graph may run the step), and the copy of its outputs to
+        with CUDA graphs, slots from `rows` on must be free: a larger bucket's graph may run the step), and the copy of its outputs to
         host memory; on CUDA, return without waiting for the device. Each live slot
         feeds its next token and samples one. `need`: the most cache positions a live row attends to (its filled
         length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn).

@@ -5,7 +5,8 @@ Why: H200 timelines of the rollout (`profile_rollout.py --timeline`) showed the 
 taking 60-110 ms where full passes of 32k tokens took 53 ms. This replays such a sequence of (rows, width) passes
 on `SlotEngine` directly — the shapes the timelines listed, then the same again — and times each pass to the host
 (the pass ends when its sampled tokens are read). A pass slower the first time than the next is a one-time cost
-per shape (autotuning, allocator growth); a pass slow both times is the kernels'.
+per shape; a pass slow both times is the kernels'. (`--profile` found the one-time cost: cuDNN's attention plans,
+built per shape, since excluded from the prefill: `agents.fast_decode.PREFILL_ATTENTION`.)
 
     python benchmarks/bench_prefill.py --out benchmarks/results/h200/prefill.json   # on a GPU
     python benchmarks/bench_prefill.py --model tiny --device cpu                     # a smoke run
@@ -25,7 +26,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
 import agents.fast_decode  # noqa: E402
-from agents.compiling import COMPILE_COUNTS  # noqa: E402
 from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import build_model  # noqa: E402
@@ -75,10 +75,10 @@ def main():
     print(f"model: {shape}\nfirst pass (compilation): {time.perf_counter() - start:.1f} s\n")
     rounds = []
     for r in range(args.rounds):
-        compilations = dict(COMPILE_COUNTS)
+        before = dict(engine.stats)
         rounds.append([timed_pass(engine, rows, width, vocab, rng) * 1e3 for rows, width in SHAPES])
-        print(f"round {r + 1}: {COMPILE_COUNTS['compilations'] - compilations['compilations']} compilation(s), "
-              f"{COMPILE_COUNTS['compile_s'] - compilations['compile_s']:.1f} s")
+        print(f"round {r + 1}: {engine.stats['compilations'] - before['compilations']} compilation(s), "
+              f"{engine.stats['compile_s'] - before['compile_s']:.1f} s")
     print(f"{'rows':>5} {'width':>6} {'tokens':>7}  " + "  ".join(f"round {r + 1} ms" for r in range(args.rounds)))
     for i, (rows, width) in enumerate(SHAPES):
         print(f"{rows:>5} {width:>6} {rows * width:>7}  " + "  ".join(f"{t[i]:>10.1f}" for t in rounds))

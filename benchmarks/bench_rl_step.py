@@ -38,11 +38,6 @@ from trainers.setup import make_models, make_tokenizer  # noqa: E402
 from trainers.tracking import read_metrics  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
-#: the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`): where the rollout's
-#: seconds went on the generation side
-ENGINE_KEYS = tuple(f"engine/{k}" for k in ("busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s",
-                                            "prefill_passes", "decode_passes", "decoded_rows", "admission_waits",
-                                            "graph_captures", "stand_in_replays", "uncaptured_steps"))
 GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
 
 
@@ -65,7 +60,8 @@ def steady(rows: list[dict], warmup: int) -> dict:
            "sequences": median("perf/sequences")}
     for phase in PHASES:
         out[f"{phase}_s"] = median(f"perf/{phase}_s")
-    out["engine"] = {key.removeprefix("engine/"): median(key) for key in ENGINE_KEYS if key in kept[0]}
+    # the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`: ``engine/*``)
+    out["engine"] = {key.removeprefix("engine/"): median(key) for key in kept[0] if key.startswith("engine/")}
     return out
 
 

@@ -22,7 +22,8 @@ env pool, as a trainer's first step would). Goals: engine >= 2x hf_static (the f
 0.95x engine. Also reported: the driver's wall-time split (generation in flight / tool steps only / its own
 bookkeeping: resets, parsing, conversation ids, training samples with the drift check), the policy's pass counts
 (prefill passes, decode steps, rows per step: decoded, wasted — launched before their row's end was read — and
-padding) and its worker's time: busy, gathering the requests that trickle in when it is idle, in prefill passes,
+padding) and its worker's time: busy, gathering the requests that trickle in (when it is idle, or while fewer
+rows decode than wait), in prefill passes,
 launching decode steps (on CUDA enqueueing them; on CPU computing them), waiting for their outputs, and the rest
 (its bookkeeping between steps, including the waits to take the GIL back from the event loop). With overlapped
 steps the launches and the rest run while the device computes the step before: where they take longer than a
@@ -258,7 +259,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--tokenizer", default="offline:qwen2.5")
     ap.add_argument("--switch-interval", type=float, help="experiment: the interpreter's switch interval (s) while "
                     f"the worker serves (default {agents.hf_policy.SERVING_SWITCH_INTERVAL_S})")
-    ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of an idle worker, in gather "
+    ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of the worker, in gather "
                     f"windows (default {agents.hf_policy.GATHER_CAP_WINDOWS})")
     ap.add_argument("--admit-wait-steps", type=int, help="HFPolicy's admit_wait_steps (default: HFPolicy's own; 0 "
                     "admits every arrival at the next step boundary)")

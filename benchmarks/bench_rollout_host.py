@@ -39,7 +39,8 @@ def main():
     cfg = load_config(args.config, ["device=cpu"])
     tokenizer = make_tokenizer(cfg)
     make_env = env_factory(cfg, tokenizer)
-    tasks = TaskSource(make_env().unwrapped, seed=cfg.seed)
+    probe = make_env()
+    tasks = TaskSource(probe.unwrapped, seed=cfg.seed)
     rng = random.Random(0)
     answer = [rng.randrange(1000, len(tokenizer) // 2) for _ in range(cfg.rollout.max_new_tokens)]  # no stop token
     policy = ScriptedPolicy(lambda prompt: answer, vocab_size=len(tokenizer))
@@ -53,16 +54,20 @@ def main():
         assert not result.metrics["rollout/failed"], "episodes failed: the figure would not be the host's work"
         return time.perf_counter() - start
 
-    rollout(0)  # the env pool, the tokenizer's caches
-    seconds = [rollout(1 + i) for i in range(args.rollouts)]
-    median = statistics.median(seconds)
-    print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted policy: "
-          f"median {median:.3f} s a rollout ({median / episodes * 1e3:.2f} ms an episode; runs "
-          + ", ".join(f"{s:.3f}" for s in seconds) + ")")
-    if args.profile:
-        profiler = cProfile.Profile()
-        profiler.runcall(rollout, 1 + args.rollouts)
-        pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
+    try:
+        rollout(0)  # the env pool, the tokenizer's caches
+        seconds = [rollout(1 + i) for i in range(args.rollouts)]
+        median = statistics.median(seconds)
+        print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted policy: "
+              f"median {median:.3f} s a rollout ({median / episodes * 1e3:.2f} ms an episode; runs "
+              + ", ".join(f"{s:.3f}" for s in seconds) + ")")
+        if args.profile:
+            profiler = cProfile.Profile()
+            profiler.runcall(rollout, 1 + args.rollouts)
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(args.profile)
+    finally:
+        driver.close()
+        probe.close()
 
 
 if __name__ == "__main__":

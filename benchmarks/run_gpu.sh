@@ -76,5 +76,5 @@ case "${1:-}" in
     { variant default 1; variant wait8 1 --admit-wait-steps 8; variant cap100 1 --gather-cap 100; } &
     wait
     for f in "$OUT"/rollout.txt "$OUT"/driver_*.txt; do echo "== $f"; grep -A12 "^batch" "$f" | grep -v Warn; tail -2 "$f"; done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh single|scaling|fsdp|driver" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|single|scaling|fsdp|driver" >&2; exit 2 ;;
 esac

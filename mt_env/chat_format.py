@@ -114,7 +114,8 @@ class ChatFormat:
         self._backend = backend
         self._pieces: dict[str, list[int]] | None = None  # see below
         # Renders of the same messages are reused (a GRPO group's episodes start from one prompt, and the drift
-        # check renders it again), unless the template reads the clock.
+        # check of a one-turn episode renders it again; later turns' renders are new and only fill the bounded
+        # cache), unless the template reads the clock.
         templates = tokenizer.chat_template  # one template, or a dict of named ones
         source = " ".join(templates.values()) if isinstance(templates, Mapping) else templates
         self._renders: dict[str, str] | None = None if "strftime_now" in source else {}

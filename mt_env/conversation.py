@@ -414,7 +414,9 @@ class Conversation:
             if got != expected:
                 raise DriftError(self._text_diff(index, segs[:last], got, expected))
             for start, end, text in _template_runs(segs[:last]):
-                ids = self.fmt.encode(text)  # the system prompt's and tools' pieces are encoded once per format
+                # the system prompt's and tools' pieces are encoded once per format; that a tokenizer never merges
+                # across the control tokens the pieces split at is checked when the format is built (ChatFormat)
+                ids = self.fmt.encode(text)
                 if sample.ids[start:end] != ids:
                     raise DriftError(self._token_diff(index, start, end, text, sample.ids[start:end], ids))
 

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
@@ -73,6 +73,11 @@ async def generate_together(model, prompts, params, **kwargs):
         return gens, dict(policy.stats)
 
 
+def each_alone(model, prompts, params):
+    """Each request generated alone on the transformers path: what it must get in any batch."""
+    return [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
+
+
 def assert_same(fast, reference):
     for f, r in zip(fast, reference, strict=True):
         assert f.ids == r.ids and f.finish_reason == r.finish_reason
@@ -119,7 +124,7 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
             return await asyncio.gather(*tasks), dict(policy.stats)
 
     together, stats = run(main())
-    alone = [run(generate_together(arch_model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
+    alone = each_alone(arch_model, prompts, params)
     assert_same(together, alone)
     assert stats["prefill_passes"] == 5  # every arrival joined the running batch
 
@@ -142,7 +147,7 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
                 tasks.append(asyncio.create_task(policy.generate(p, q)))
             return await asyncio.gather(*tasks), dict(policy.stats)
 
-    alone = [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
+    alone = each_alone(model, prompts, params)
     waited, stats = run(main(wait=1_000))
     assert_same(waited, alone)
     assert stats["prefill_passes"] == 2 and stats["admission_waits"] > 0
@@ -173,7 +178,7 @@ def test_arrivals_that_outnumber_the_decoding_rows_are_gathered_into_one_prefill
             return await asyncio.gather(*tasks), dict(policy.stats)
 
     together, stats = run(main())
-    alone = [run(generate_together(model, [p], [q], **TRANSFORMERS))[0][0] for p, q in zip(prompts, params)]
+    alone = each_alone(model, prompts, params)
     assert_same(together, alone)
     assert stats["prefill_passes"] == 2 and stats["gather_s"] > 0
 
@@ -628,18 +633,27 @@ def fresh_compilations(monkeypatch):
     torch._dynamo.reset()
 
 
-def engine_steps(model, compile: bool, modes=("sample",), warm: bool = False) -> tuple[list, SlotEngine]:
-    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48. `warm`:
+def prefilled(model, rows: int, max_slots: int, compile: bool = False, warm: bool = False):
+    """An eager-step engine (length step 16, 96 cache positions) with `rows` of four prompts (3 to 20 tokens)
+    prefilled into slots 0.., sampled with seeds 0..; returns it and the prefill's tokens and logprobs. `warm`:
     `SlotEngine.warm_buckets` first."""
-    engine = SlotEngine(model, decoder_layout(model), max_slots=4, max_cache_len=96, vocab_size=VOCAB,
+    engine = SlotEngine(model, decoder_layout(model), max_slots=max_slots, max_cache_len=96, vocab_size=VOCAB,
                         cuda_graphs=False, compile=compile, length_step=16)
     if warm:
         engine.warm_buckets()
-    params = [SamplingParams(temperature=1.0, seed=i) for i in range(4)]
+    params = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]
+    prompts = [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]][:rows]
+    return engine, engine.prefill(list(range(rows)), prompts,
+                                  RowSampling.draw(params, [random.Random(i) for i in range(rows)], VOCAB))
+
+
+def engine_steps(model, compile: bool, modes=("sample",), warm: bool = False) -> tuple[list, SlotEngine]:
+    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48. `warm`:
+    `SlotEngine.warm_buckets` first."""
     rng = random.Random(0)
     with torch.no_grad():
-        out = [engine.prefill([0, 1, 2, 3], [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]],
-                              RowSampling.draw(params, [random.Random(i) for i in range(4)], VOCAB))]
+        engine, first = prefilled(model, rows=4, max_slots=4, compile=compile, warm=warm)
+        out = [first]
         for step in range(24):
             rows = 4 if step < 12 else 2
             need = max(engine.slot_lengths()[:rows]) + 1
@@ -668,13 +682,10 @@ def test_a_step_run_by_a_larger_buckets_graph_gives_the_rows_what_their_own_buck
     """What a stand-in runs: the step over more slots (free ones as padding) and a longer attended length. The
     live rows get the same tokens and logprobs, and the engine the same slot state, step after step."""
     def steps(extra_rows: int, extra_length: int):
-        engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=128, vocab_size=VOCAB,
-                            cuda_graphs=False, length_step=16)
-        params = [SamplingParams(temperature=1.0, seed=i) for i in range(3)]
-        rng, out = random.Random(0), []
+        rng = random.Random(0)
         with torch.no_grad():
-            out.append(engine.prefill([0, 1, 2], [[1, 2, 3], [4] * 9, [5] * 20],
-                                      RowSampling.draw(params, [random.Random(i) for i in range(3)], VOCAB)))
+            engine, first = prefilled(model, rows=3, max_slots=8)
+            out = [first]
             for _ in range(12):
                 need = max(engine.slot_lengths()[:3]) + 1
                 uniforms = [rng.random() for _ in range(4)] + [0.5] * extra_rows
@@ -786,8 +797,7 @@ def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilati
 def test_prefill_width_is_padded_to_few_sizes_within_the_cache(longest, cap):
     """A pass's width covers its longest prompt, is a multiple of PREFILL_WIDTH_STEP (fewer shapes) unless
     the cache ends first, and adds less than one step of padding."""
-    if longest > cap:
-        return  # rejected before: the prompt does not fit
+    assume(longest <= cap)  # a longer prompt is rejected before: it does not fit
     width = prefill_width(longest, cap)
     assert longest <= width <= cap and width - longest < PREFILL_WIDTH_STEP
     assert width % PREFILL_WIDTH_STEP == 0 or width == cap

@@ -357,7 +357,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     """The masked, clipped PPO update: `epochs` passes of shuffled mini-batches, one optimizer step each, its
     gradient accumulated over micro-batches. Without `batch.old_logprobs` (`single_update`) the update's own
     logprobs are the old ones; the rollout/trainer mismatch is then measured on them. The statistics stay on the
-    device until the end (one read, no host sync per micro-batch)."""
+    device until the end (one read: they add no host sync per micro-batch)."""
     stats: dict[str, list] = {}
     seen = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) if batch.old_logprobs is None else None
     token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens

@@ -43,7 +43,8 @@ class LocalRollouts:
 
     def play(self, tasks: list[dict], n: int, step: int) -> RolloutResult:
         """The step's episodes; their metrics also carry the embedded engine's counters over the rollout
-        (``engine/*``: passes, rows, seconds busy, in prefill, waiting for decode steps; see `HFPolicy.stats`)."""
+        (``engine/*``: every counter of `HFPolicy.stats` — passes, rows, seconds busy, in prefill, waiting for
+        decode steps, ...; see `agents.hf_policy.new_stats`)."""
         before = dict(getattr(self.backend, "stats", {}))
         with self.gathered():
             result = self.driver.run(tasks, n=n, step=step)
