@@ -132,13 +132,15 @@ def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementat
     return mask[None, None]
 
 
-def _attention_kwargs(model_config, input_ids, attention_mask, position_ids, seq_ids, dtype):
+def _attention_kwargs(model: nn.Module, input_ids, attention_mask, position_ids, seq_ids):
+    """The attention arguments of `model`'s backbone forward: the caller's, or for a packed row (`seq_ids`) the
+    sequence boundaries (flash attention's varlen kernel) or the block-diagonal mask, in the dtype attention
+    computes in (the parameters', or autocast's)."""
     if seq_ids is None:
         return dict(attention_mask=attention_mask, position_ids=position_ids)
     # packed layout: one row, causal attention within each sequence
-    impl = getattr(model_config, "_attn_implementation", "sdpa")
-    if torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")  # what attention computes in
+    impl = getattr(model.config, "_attn_implementation", "sdpa")
+    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else next(model.parameters()).dtype
     if impl == SDPA_VARLEN and input_ids.is_cuda and dtype in VARLEN_DTYPES:  # boundaries for the varlen kernel
         lengths = torch.bincount(seq_ids[0])
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
@@ -199,10 +201,9 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
         backbone = getattr(self.lm, self.lm.base_model_prefix)
-        dtype = next(self.lm.parameters()).dtype
         hidden = backbone(
             input_ids=input_ids, use_cache=False,
-            **_attention_kwargs(self.lm.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
+            **_attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids),
         ).last_hidden_state
         scored, targets = _scored(input_ids, loss_mask)
         logits = self.lm.get_output_embeddings()(hidden[:, :-1][scored])[..., :self.vocab_limit]
@@ -235,10 +236,9 @@ class CriticModel(nn.Module):
         return critic.to(device=first.device, dtype=first.dtype)
 
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None):
-        dtype = next(self.backbone.parameters()).dtype
         hidden = self.backbone(
             input_ids=input_ids, use_cache=False,
-            **_attention_kwargs(self.backbone.config, input_ids, attention_mask, position_ids, seq_ids, dtype),
+            **_attention_kwargs(self.backbone, input_ids, attention_mask, position_ids, seq_ids),
         ).last_hidden_state
         scored, _ = _scored(input_ids, loss_mask)
         values = self.head(hidden[:, :-1][scored]).squeeze(-1).float()
