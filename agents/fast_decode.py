@@ -20,11 +20,14 @@ optimizer step the next token sees the new weights) through its own layer loop:
   re-padded. `SlotTable` (host side) hands out the lowest free slots and, when the rows left would fit a smaller
   batch bucket, plans moves of the few rows above it into free slots below it (`SlotEngine.move` copies only
   those rows' KV).
-* **Prefill** (`prefill_layer` per layer, then `head_logits`; compiled on CUDA like the decode step, not captured):
-  prompts right-padded into one tensor of a width rounded up to `PREFILL_WIDTH_STEP`, causal attention without
-  cuDNN (`PREFILL_ATTENTION`: its plans are built per shape) (right padding keeps real tokens from seeing padding;
-  the padding's own K/V land beyond each row's length, where they are masked and later overwritten), K/V written
-  straight into the rows' slots, the LM head only at each row's last real position.
+* **Prefill** (`prefill_layer` per layer, then `head_logits`; compiled on CUDA like the decode step): prompts
+  right-padded into one tensor of a width rounded up to `PREFILL_WIDTH_STEP`, causal attention without cuDNN
+  (`PREFILL_ATTENTION`: its plans are built per shape) (right padding keeps real tokens from seeing padding; the
+  padding's own K/V land beyond each row's length, where they are masked and later overwritten), K/V written
+  straight into the rows' slots, the LM head only at each row's last real position. A small pass (at most
+  `PREFILL_GRAPH_ROWS` rows, e.g. an episode whose turn ended early, while the batch decodes) replays a CUDA graph
+  of its (rows, width rounded up to `PREFILL_GRAPH_WIDTH_STEP`), captured on its `CAPTURE_ON_USE`-th use: launched
+  op by op, such a pass costs several times its device time in host time, while every decoding row waits.
 * **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_logits`, then
   `sample_tokens`; run eagerly or captured): the new token's K/V are written in place at each row's own position;
   attention without expanding K/V — the query heads of one KV head are laid out as that head's query positions
@@ -105,6 +108,14 @@ PREFILL_WIDTH_STEP = 16
 #: (`benchmarks/bench_prefill.py --profile`: ``aten::_cudnn_attention_forward``). Flash attention has no such cost.
 #: Set inside the compiled function, so that the choice is part of its graph (and of Inductor's cache key).
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: a prefill pass of at most this many rows and `PREFILL_GRAPH_WIDTH` tokens replays a CUDA graph of its (rows, width
+#: padded to `PREFILL_GRAPH_WIDTH_STEP`), captured on its `CAPTURE_ON_USE`-th use. Why: such a pass is launch-bound
+#: (an H200, 0.5B model: ~15 ms of host time for 24 compiled layers against ~2 ms of device time) while every decoding
+#: row waits, and an episode whose turn ends early gets one of its own; larger passes keep the device busy.
+PREFILL_GRAPH_ROWS = 8
+PREFILL_GRAPH_WIDTH = 2048
+#: coarser than `PREFILL_WIDTH_STEP`: fewer graphs, and the padding of a few rows costs little device time
+PREFILL_GRAPH_WIDTH_STEP = 64
 #: the same for the decode step; None: torch's own choice (its shapes are few: batch and length buckets, captured)
 DECODE_ATTENTION: list[SDPBackend] | None = None
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
@@ -119,8 +130,8 @@ CAPTURE_ON_USE = 3
 #: (whose first run of a shape also builds the attention kernel's plan), and one that recurs is captured.
 CAPTURE_WITH_STAND_IN = 64
 #: the counters a `SlotEngine` adds to its caller's stats
-ENGINE_COUNTERS = ("graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps", "module_reallocations",
-                   "compilations", "compile_s", "capture_failures")
+ENGINE_COUNTERS = ("graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps", "prefill_graph_captures",
+                   "prefill_graph_replays", "module_reallocations", "compilations", "compile_s", "capture_failures")
 
 
 class UnsupportedModel(ValueError):
@@ -225,10 +236,8 @@ class RowSampling:
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature float32, uniform, top_k long, top_p float32) on `device`."""
-        return (torch.tensor(self.temperature, dtype=torch.float32).to(device),
-                torch.tensor(self.uniform, dtype=cdf_dtype(device)).to(device),
-                torch.tensor(self.top_k, dtype=torch.long).to(device),
-                torch.tensor(self.top_p, dtype=torch.float32).to(device))
+        return (_to_device(self.temperature, torch.float32, device), _to_device(self.uniform, cdf_dtype(device), device),
+                _to_device(self.top_k, torch.long, device), _to_device(self.top_p, torch.float32, device))
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor,
@@ -460,6 +469,14 @@ def prefill_width(longest: int, max_cache_len: int) -> int:
     return rounded_up(longest, PREFILL_WIDTH_STEP, max_cache_len)
 
 
+def prefill_graph_key(rows: int, width: int, max_cache_len: int) -> tuple[int, int] | None:
+    """The (rows, width) of the CUDA graph that runs a prefill pass of `rows` prompts `width` wide (already padded
+    by `prefill_width`), or None for a pass too large to gain from one (`PREFILL_GRAPH_ROWS`)."""
+    if rows > PREFILL_GRAPH_ROWS or width > PREFILL_GRAPH_WIDTH:
+        return None
+    return rows, rounded_up(width, PREFILL_GRAPH_WIDTH_STEP, max_cache_len)
+
+
 def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Indices of `lengths` grouped for prefill passes: sorted by length (less padding), each group's padded size
     (rows x longest) within `max_tokens` (a longer prompt gets a group of its own)."""
@@ -529,6 +546,16 @@ class _HostSide:
 
 
 @dataclass(eq=False)
+class _PrefillGraph:
+    """A small prefill pass captured for one (rows, width): the input buffers each replay fills first (ids, lengths,
+    slots) and the logits it computes."""
+
+    graph: Any
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    logits: torch.Tensor
+
+
+@dataclass(eq=False)
 class LaunchedStep:
     """A decode step enqueued on the device by `SlotEngine.launch`; `SlotEngine.collect` reads its outputs."""
 
@@ -562,10 +589,11 @@ class SlotEngine:
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
         self._state: _SlotState | None = None
-        self._graphs: dict[tuple[int, int, str], Any] = {}
-        #: steps of each bucket before its capture (kept after: a bucket used before is captured again at once
-        #: when the graphs are dropped, e.g. for reallocated parameters)
-        self._uses: dict[tuple[int, int, str], int] = {}
+        self._graphs: dict[tuple[int, int, str], Any] = {}  #: decode steps by (batch, length, mode) bucket
+        self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}  #: small prefill passes by (rows, width)
+        #: passes of each decode bucket and prefill key before its capture (kept after: one used before is captured
+        #: again at once when the graphs are dropped, e.g. for reallocated parameters)
+        self._uses: dict[tuple, int] = {}
         self._pool: Any = None
         self._side_stream: Any = None
         self._module_key: tuple | None = None  #: (device, dtype, parameter addresses) the cache and graphs are for
@@ -630,7 +658,8 @@ class SlotEngine:
 
     def release(self) -> None:
         """Drop the KV cache, buffers and graphs (they come back on the next prefill, or `allocate`)."""
-        self._state, self._graphs, self._pool, self._side_stream = None, {}, None, None
+        self._state, self._pool, self._side_stream = None, None, None
+        self._drop_graphs()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -646,7 +675,7 @@ class SlotEngine:
             return
         if self._module_key is not None:
             self.stats["module_reallocations"] += 1
-            self._graphs = {}
+            self._drop_graphs()
             if key[:2] != self._module_key[:2] and self._state is not None:
                 if busy:
                     raise GenerationError(f"the module moved from {self._module_key[:2]} to {key[:2]} while rows "
@@ -701,32 +730,65 @@ class SlotEngine:
     def prefill(self, slots: Sequence[int], prompts: Sequence[Sequence[int]],
                 sampling: RowSampling) -> tuple[list[int], list[float]]:
         """Prefill `prompts` into `slots` (one pass), sample each row's first token; returns the tokens and
-        their logprobs. The slots then feed those tokens at the prompts' lengths."""
+        their logprobs. The slots then feed those tokens at the prompts' lengths. A small pass replays a CUDA graph
+        (`PREFILL_GRAPH_ROWS`). The inputs go up asynchronously: the host launches the pass while the device
+        finishes a decode step in flight."""
         self.allocate()
-        s, lay = self._state, self.layout
+        s = self._state
         device = s.live.device
         longest = max(len(p) for p in prompts)
         if longest > self.max_cache_len:
             raise ValueError(f"a prompt of {longest} tokens exceeds max_cache_len {self.max_cache_len}")
         width = prefill_width(longest, self.max_cache_len)
-        n = len(prompts)
-        ids = torch.tensor([list(p) + [0] * (width - len(p)) for p in prompts], dtype=torch.long).to(device)
-        lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long).to(device)
-        index = torch.tensor(list(slots), dtype=torch.long).to(device)
-        x = lay.embed(ids)
-        cos, sin = lay.rotary(x, torch.arange(width, device=device)[None, :].expand(n, width))
-        layer_fn, head = self._functions["prefill_layer"], self._functions["head_logits"]
-        with self._compilations_counted():
-            for layer, keys, values in zip(lay.layers, s.keys, s.values):
-                x = layer_fn(layer, x, cos, sin, index, keys, values, lay.apply_rope, lay.qk_norm)
-            last = x[torch.arange(n, device=device)[:, None], (lengths - 1)[:, None]]  # [n, 1, hidden], not a view
-            logits = head(lay.norm, lay.lm_head, last, self.vocab_size)
+        key = prefill_graph_key(len(prompts), width, self.max_cache_len) if self._capturing(device) else None
+        width = key[1] if key is not None else width
+        ids = _to_device([list(p) + [0] * (width - len(p)) for p in prompts], torch.long, device)
+        lengths = _to_device([len(p) for p in prompts], torch.long, device)
+        index = _to_device(list(slots), torch.long, device)
+        if key is None:
+            with self._compilations_counted():
+                logits = self._prefill_logits(ids, lengths, index)
+        else:
+            logits = self._prefill_replay(key, ids, lengths, index)
         temperature, uniform, top_k, top_p = sampling.tensors(device)
         tokens, logprobs = sample_tokens(logits, temperature, uniform, top_k, top_p, sampling.mode)
         for buffer, value in zip(s.per_slot, (tokens, lengths, torch.ones_like(tokens, dtype=torch.bool),
                                               temperature, top_k, top_p)):
             buffer.index_copy_(0, index, value)
         return tokens.tolist(), logprobs.tolist()
+
+    def _prefill_logits(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The prefill's forward (what a prefill graph captures): the right-padded prompts `ids` [rows, width]
+        through every layer, their K/V written into `slots`; float32 logits [rows, vocab] at each row's last real
+        position."""
+        s, lay = self._state, self.layout
+        n, width = ids.shape
+        x = lay.embed(ids)
+        cos, sin = lay.rotary(x, torch.arange(width, device=x.device)[None, :].expand(n, width))
+        layer_fn, head = self._functions["prefill_layer"], self._functions["head_logits"]
+        for layer, keys, values in zip(lay.layers, s.keys, s.values):
+            x = layer_fn(layer, x, cos, sin, slots, keys, values, lay.apply_rope, lay.qk_norm)
+        last = x[torch.arange(n, device=x.device)[:, None], (lengths - 1)[:, None]]  # [n, 1, hidden], not a view
+        return head(lay.norm, lay.lm_head, last, self.vocab_size)
+
+    def _prefill_replay(self, key: tuple[int, int], ids: torch.Tensor, lengths: torch.Tensor,
+                        slots: torch.Tensor) -> torch.Tensor:
+        """`_prefill_logits` from the graph of `key` (captured on its `CAPTURE_ON_USE`-th use, uncaptured before).
+        The logits returned live in the graphs' shared pool: read them before the next replay of any graph."""
+        graph = self._prefill_graphs.get(key)
+        if graph is None:
+            uses = self._uses[key] = self._uses.get(key, 0) + 1
+            if uses < CAPTURE_ON_USE:
+                with self._compilations_counted():
+                    return self._prefill_logits(ids, lengths, slots)
+            graph = self._capture_prefill(key, ids, lengths, slots)
+            if graph is None:  # it cannot be captured (nor can anything from now on): run it eagerly
+                return self._prefill_logits(ids, lengths, slots)
+        for buffer, value in zip(graph.inputs, (ids, lengths, slots)):
+            buffer.copy_(value)
+        graph.graph.replay()
+        self.stats["prefill_graph_replays"] += 1
+        return graph.logits
 
     @property
     def compile_reason(self) -> str:
@@ -763,7 +825,7 @@ class SlotEngine:
             if uniforms is not None:  # into host memory no copy still reads (its step was collected)
                 host.uniform.numpy()[:rows] = uniforms  # numpy: the GIL stays held (see `collect`)
                 s.uniform[:rows].copy_(host.uniform[:rows], non_blocking=True)
-            if self.cuda_graphs and device.type == "cuda" and self.capture_failure is None:
+            if self._capturing(device):
                 self._replay((rows, length, mode))
             else:
                 self._run_decode(rows, length, mode)
@@ -841,8 +903,7 @@ class SlotEngine:
             try:
                 graph = self._capture(key)
             except Exception as e:  # the step runs eagerly but cannot be captured: run every step eagerly
-                self.capture_failure = f"{type(e).__name__}: {str(e).strip()[:300]}"
-                self.stats["capture_failures"] += 1
+                self._capture_failed(e)
                 self._run_decode(*key)
                 return
         graph.replay()
@@ -852,35 +913,78 @@ class SlotEngine:
         """Run the step eagerly on the side stream (cuBLAS handles and workspaces get created; a compiled step
         compiles and autotunes here, never during capture), then restore the tokens and lengths it advanced."""
         s = self._state
-        device = s.live.device
+        saved = s.tokens.clone(), s.lengths.clone()
+        try:
+            self._on_side_stream(lambda: self._run_decode(*key))
+        finally:
+            s.tokens.copy_(saved[0])
+            s.lengths.copy_(saved[1])
+
+    def _capture(self, key: tuple[int, int, str]):
+        """Capture the warmed-up step. The captured step reads and writes only the persistent slot buffers."""
+        graph, _ = self._record(lambda: self._decode(*key))
+        self._graphs[key] = graph
+        self.stats["graph_captures"] += 1
+        return graph
+
+    def _capture_prefill(self, key: tuple[int, int], ids: torch.Tensor, lengths: torch.Tensor,
+                         slots: torch.Tensor) -> _PrefillGraph | None:
+        """Warm up and capture the prefill pass of `key` with these inputs as its buffers (the warm-up writes the
+        K/V the pass itself writes); None when it cannot be captured (`capture_failure`)."""
+        torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
+        inputs = (ids.clone(), lengths.clone(), slots.clone())
+        with self._compilations_counted():
+            self._on_side_stream(lambda: self._prefill_logits(*inputs))
+        try:
+            graph, logits = self._record(lambda: self._prefill_logits(*inputs))
+        except Exception as e:
+            self._capture_failed(e)
+            return None
+        captured = self._prefill_graphs[key] = _PrefillGraph(graph, inputs, logits)
+        self.stats["prefill_graph_captures"] += 1
+        return captured
+
+    def _on_side_stream(self, run: Callable[[], Any]) -> None:
+        """`run` `WARMUP_STEPS` times on the side stream graphs are captured on, after the work queued so far."""
+        device = self._state.live.device
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(device)
             self._pool = torch.cuda.graph_pool_handle()
-        saved = s.tokens.clone(), s.lengths.clone()
         side = self._side_stream
         side.wait_stream(torch.cuda.current_stream(device))
         try:
             with torch.cuda.stream(side):
                 for _ in range(WARMUP_STEPS):
-                    self._run_decode(*key)
+                    run()
         finally:  # also after an error: later work on the current stream must not overtake the warm-up
             torch.cuda.current_stream(device).wait_stream(side)
-            s.tokens.copy_(saved[0])
-            s.lengths.copy_(saved[1])
 
-    def _capture(self, key: tuple[int, int, str]):
-        """Capture the warmed-up step. The captured step reads and writes only the persistent slot buffers.
+    def _record(self, run: Callable[[], Any]) -> tuple[Any, Any]:
+        """Capture `run` (warmed up) into a CUDA graph; returns the graph and what `run` returned.
 
-        The capture is ``thread_local``: other threads may use CUDA meanwhile (HFPolicy's callers, a trainer). The
-        garbage collector is paused during it: a collection on this thread could free tensors whose release
-        records CUDA events (pinned host memory used by asynchronous copies), which a capture forbids."""
+        All graphs share one memory pool (they never replay concurrently): what a graph returns is read before the
+        next replay of any graph (the decode step's outputs are persistent buffers outside the pool). The capture
+        is ``thread_local``: other threads may use CUDA meanwhile (HFPolicy's callers, a trainer). The garbage
+        collector is paused during it: a collection on this thread could free tensors whose release records CUDA
+        events (pinned host memory used by asynchronous copies), which a capture forbids."""
         graph = torch.cuda.CUDAGraph()
         with collector_paused(), torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream,
                                             capture_error_mode="thread_local"):
-            self._decode(*key)
-        self._graphs[key] = graph
-        self.stats["graph_captures"] += 1
-        return graph
+            out = run()
+        return graph, out
+
+    def _capture_failed(self, error: Exception) -> None:
+        """Nothing is captured from now on: decode steps and prefill passes run eagerly."""
+        self.capture_failure = f"{type(error).__name__}: {str(error).strip()[:300]}"
+        self.stats["capture_failures"] += 1
+
+    def _capturing(self, device: torch.device) -> bool:
+        """Whether passes run from CUDA graphs."""
+        return self.cuda_graphs and device.type == "cuda" and self.capture_failure is None
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph (their uses are kept: a bucket used before is captured again at once)."""
+        self._graphs, self._prefill_graphs = {}, {}
 
 
 # --------------------------------------------------------------------------------------------- helpers

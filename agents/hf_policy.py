@@ -224,7 +224,8 @@ def new_stats() -> dict[str, int | float]:
     path's; the fast path pads decode batches to a bucket (padded_rows), computes a row-step for rows that ended at
     the step before (wasted_rows: overlapped steps), compacts slots (compaction_moves), replays graphs
     (graph_captures, graph_replays; before a bucket is captured its steps run a larger bucket's graph,
-    stand_in_replays, or uncaptured, uncaptured_steps; `fast_decode.ENGINE_COUNTERS`) and may hold arrivals back
+    stand_in_replays, or uncaptured, uncaptured_steps; small prefill passes: prefill_graph_captures,
+    prefill_graph_replays; `fast_decode.ENGINE_COUNTERS`) and may hold arrivals back
     (admission_waits: step boundaries at which waiting requests waited, see `admit_wait_steps`). Seconds: busy_s
     (the worker serving: from taking work while idle until idle again), gather_s (gathering requests that trickle
     in, see `_gathers`), prefill_s (prefill passes), launch_s (launching decode steps: on CUDA enqueueing

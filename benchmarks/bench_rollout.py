@@ -215,7 +215,8 @@ def print_row(row: dict) -> None:
     for name in ("driver", "engine"):
         p = row[f"{name}_passes"]
         steps = max(1, p["decode_passes"])
-        print(f"      {name:<6} passes: {p['prefill_passes']} prefill, {p['decode_passes']} decode "
+        print(f"      {name:<6} passes: {p['prefill_passes']} prefill ({p['prefill_graph_replays']} from graphs, "
+              f"{p['prefill_graph_captures']} captured), {p['decode_passes']} decode "
               f"({p['decoded_rows'] / steps:.1f} rows + {p['wasted_rows'] / steps:.1f} wasted + "
               f"{p['padded_rows'] / steps:.1f} padding each), "
               f"{p['graph_replays']} graph replays, {p['stand_in_replays']} by a larger bucket's graph, "

@@ -24,11 +24,16 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           Qwen3Config, Qwen3ForCausalLM)
 
 from agents import compiling
-from agents.fast_decode import (COMPILED_FUNCTIONS, PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling,
-                                SlotEngine, SlotTable, admission_waits, batch_buckets, bucket_for, decoder_layout,
-                                prefill_groups, prefill_width, sample_tokens, stand_in)
+from agents import fast_decode
+from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_WIDTH,
+                                PREFILL_GRAPH_WIDTH_STEP, PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS,
+                                RowSampling, SlotEngine, SlotTable, admission_waits, batch_buckets, bucket_for,
+                                decoder_layout, prefill_graph_key, prefill_groups, prefill_width, sample_tokens,
+                                stand_in)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
+
+from unittest import mock
 
 from .test_policy_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
@@ -801,3 +806,77 @@ def test_prefill_width_is_padded_to_few_sizes_within_the_cache(longest, cap):
     width = prefill_width(longest, cap)
     assert longest <= width <= cap and width - longest < PREFILL_WIDTH_STEP
     assert width % PREFILL_WIDTH_STEP == 0 or width == cap
+
+
+@given(rows=st.integers(1, 64), longest=st.integers(1, 5000), cap=st.integers(2, 5000))
+def test_small_prefill_passes_get_a_graph_key_of_few_widths(rows, longest, cap):
+    """A pass of at most PREFILL_GRAPH_ROWS rows and PREFILL_GRAPH_WIDTH tokens gets a graph of its rows and a
+    width covering its own, a multiple of PREFILL_GRAPH_WIDTH_STEP (unless the cache ends first) less than one such
+    step wider; any other pass none."""
+    assume(longest <= cap)
+    width = prefill_width(longest, cap)
+    key = prefill_graph_key(rows, width, cap)
+    if rows > PREFILL_GRAPH_ROWS or width > PREFILL_GRAPH_WIDTH:
+        assert key is None
+        return
+    graph_rows, graph_width = key
+    assert graph_rows == rows and width <= graph_width <= cap and graph_width - width < PREFILL_GRAPH_WIDTH_STEP
+    assert graph_width % PREFILL_GRAPH_WIDTH_STEP == 0 or graph_width == cap
+
+
+def prefill_outputs(model, prompts, slots, cuda_graphs: bool = False, engine: SlotEngine | None = None):
+    """Greedy prefill of `prompts` into `slots` of an engine (8 slots of 160 positions); returns the engine, the
+    tokens and logprobs, and each row's K/V (every layer) over its prompt."""
+    engine = engine or SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=160, vocab_size=VOCAB,
+                                  cuda_graphs=cuda_graphs)
+    greedy = RowSampling.draw([SamplingParams(temperature=0)] * len(prompts), [None] * len(prompts), VOCAB)
+    with torch.no_grad():
+        tokens, logprobs = engine.prefill(slots, prompts, greedy)
+    kv = [[t[slot, :, :len(p)].clone() for layer in range(len(engine.layout.layers)) for t in engine.kv(layer)]
+          for slot, p in zip(slots, prompts)]
+    return engine, tokens, logprobs, kv
+
+
+def assert_same_prefill(got, expected):
+    (_, tokens, logprobs, kv), (_, ref_tokens, ref_logprobs, ref_kv) = got, expected
+    assert tokens == ref_tokens and logprobs == pytest.approx(ref_logprobs, abs=LOGPROB_TOL)
+    for row, ref_row in zip(kv, ref_kv, strict=True):
+        assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(row, ref_row, strict=True))
+
+
+@pytest.mark.parametrize("step", [1, 64, 160])
+def test_the_width_a_prefill_pass_is_padded_to_changes_no_rows_outputs(model, step):
+    """A small pass replays a graph at a width rounded up further than an uncaptured pass's: right padding is never
+    attended, so the tokens, logprobs and each row's K/V are those of the pass at its own width."""
+    prompts, slots = [[1, 2, 3], list(range(30, 67)), [9] * 20], [5, 0, 2]
+    with mock.patch.object(fast_decode, "PREFILL_WIDTH_STEP", 1):
+        exact = prefill_outputs(model, prompts, slots)
+    with mock.patch.object(fast_decode, "PREFILL_WIDTH_STEP", step):
+        assert_same_prefill(prefill_outputs(model, prompts, slots), exact)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA (MT_ENV_TEST_DEVICE=cuda)")
+def test_small_prefill_passes_replay_a_graph_that_gives_what_the_uncaptured_pass_gives():
+    """A pass of a few rows is captured on its CAPTURE_ON_USE-th use and replayed from then on; every pass gives the
+    tokens, logprobs and K/V an engine without graphs gives — with other prompts of the same (rows, width) key,
+    other slots, after an in-place weight change (the graph reads the parameters), and after the parameters are
+    reallocated (the graph is dropped and captured again at once)."""
+    model = tiny_model(seed=5)
+    engine, reference = None, None
+    for k in range(CAPTURE_ON_USE + 3):
+        prompts = [[(k + 3 * j) % VOCAB + 1 for j in range(10 + k)], [k + 7] * (30 - k)]
+        slots = [k % 8, (k + 3) % 8]
+        if k == CAPTURE_ON_USE + 1:
+            with torch.no_grad():
+                model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
+        if k == CAPTURE_ON_USE + 2:
+            model.load_state_dict({n: t.clone() for n, t in model.state_dict().items()}, assign=True)
+            engine.check_module(busy=False)
+        got = prefill_outputs(model, prompts, slots, cuda_graphs=True, engine=engine)
+        engine = got[0]
+        expected = prefill_outputs(model, prompts, slots, engine=reference)
+        reference = expected[0]
+        assert_same_prefill(got, expected)
+    stats = engine.stats
+    assert stats["prefill_graph_captures"] == 2 and stats["module_reallocations"] == 1
+    assert stats["prefill_graph_replays"] == 4  # the uses from the CAPTURE_ON_USE-th on
