@@ -26,7 +26,7 @@ optimizer step the next token sees the new weights) through its own layer loop:
   padding's own K/V land beyond each row's length, where they are masked and later overwritten), K/V written
   straight into the rows' slots, the LM head only at each row's last real position. A small pass (at most
   `PREFILL_GRAPH_ROWS` rows, e.g. an episode whose turn ended early, while the batch decodes) replays a CUDA graph
-  of its (rows, width rounded up to `PREFILL_GRAPH_WIDTH_STEP`), captured on its `CAPTURE_ON_USE`-th use: launched
+  of its (rows, width rounded up to a power of two), captured on its `CAPTURE_ON_USE`-th use: launched
   op by op, such a pass costs several times its device time in host time, while every decoding row waits.
 * **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_logits`, then
   `sample_tokens`; run eagerly or captured): the new token's K/V are written in place at each row's own position;
@@ -108,14 +108,13 @@ PREFILL_WIDTH_STEP = 16
 #: (`benchmarks/bench_prefill.py --profile`: ``aten::_cudnn_attention_forward``). Flash attention has no such cost.
 #: Set inside the compiled function, so that the choice is part of its graph (and of Inductor's cache key).
 PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-#: a prefill pass of at most this many rows and `PREFILL_GRAPH_WIDTH` tokens replays a CUDA graph of its (rows, width
-#: padded to `PREFILL_GRAPH_WIDTH_STEP`), captured on its `CAPTURE_ON_USE`-th use. Why: such a pass is launch-bound
-#: (an H200, 0.5B model: ~15 ms of host time for 24 compiled layers against ~2 ms of device time) while every decoding
-#: row waits, and an episode whose turn ends early gets one of its own; larger passes keep the device busy.
+#: a prefill pass of at most this many rows, at most `PREFILL_GRAPH_TOKENS` once its width is rounded up to a power of
+#: two, replays a CUDA graph of that (rows, width), captured on its `CAPTURE_ON_USE`-th use. Why: such a pass is
+#: launch-bound (an H200, 0.5B model: ~15-25 ms of host time for 24 compiled layers against ~2 ms of device time)
+#: while every decoding row waits, and an episode whose turn ends early gets one of its own at each later turn.
+#: Powers of two: few graphs, which recur (the padding of a few rows costs little device time).
 PREFILL_GRAPH_ROWS = 8
-PREFILL_GRAPH_WIDTH = 2048
-#: coarser than `PREFILL_WIDTH_STEP`: fewer graphs, and the padding of a few rows costs little device time
-PREFILL_GRAPH_WIDTH_STEP = 64
+PREFILL_GRAPH_TOKENS = 4096
 #: the same for the decode step; None: torch's own choice (its shapes are few: batch and length buckets, captured)
 DECODE_ATTENTION: list[SDPBackend] | None = None
 WARMUP_STEPS = 2  # eager steps on a side stream before a capture (cuBLAS handles and workspaces get created)
@@ -470,11 +469,13 @@ def prefill_width(longest: int, max_cache_len: int) -> int:
 
 
 def prefill_graph_key(rows: int, width: int, max_cache_len: int) -> tuple[int, int] | None:
-    """The (rows, width) of the CUDA graph that runs a prefill pass of `rows` prompts `width` wide (already padded
-    by `prefill_width`), or None for a pass too large to gain from one (`PREFILL_GRAPH_ROWS`)."""
-    if rows > PREFILL_GRAPH_ROWS or width > PREFILL_GRAPH_WIDTH:
+    """The (rows, width) of the CUDA graph that runs a prefill pass of `rows` prompts `width` wide: the width rounded
+    up to a power of two (at least `PREFILL_WIDTH_STEP`, at most the cache); None for a pass too large to gain from
+    one (`PREFILL_GRAPH_ROWS`, `PREFILL_GRAPH_TOKENS`)."""
+    graph_width = min(max(PREFILL_WIDTH_STEP, 1 << (width - 1).bit_length()), max_cache_len)
+    if rows > PREFILL_GRAPH_ROWS or rows * graph_width > PREFILL_GRAPH_TOKENS:
         return None
-    return rows, rounded_up(width, PREFILL_GRAPH_WIDTH_STEP, max_cache_len)
+    return rows, graph_width
 
 
 def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -25,8 +25,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 
 from agents import compiling
 from agents import fast_decode
-from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_WIDTH,
-                                PREFILL_GRAPH_WIDTH_STEP, PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS,
+from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
+                                PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS,
                                 RowSampling, SlotEngine, SlotTable, admission_waits, batch_buckets, bucket_for,
                                 decoder_layout, prefill_graph_key, prefill_groups, prefill_width, sample_tokens,
                                 stand_in)
@@ -810,18 +810,19 @@ def test_prefill_width_is_padded_to_few_sizes_within_the_cache(longest, cap):
 
 @given(rows=st.integers(1, 64), longest=st.integers(1, 5000), cap=st.integers(2, 5000))
 def test_small_prefill_passes_get_a_graph_key_of_few_widths(rows, longest, cap):
-    """A pass of at most PREFILL_GRAPH_ROWS rows and PREFILL_GRAPH_WIDTH tokens gets a graph of its rows and a
-    width covering its own, a multiple of PREFILL_GRAPH_WIDTH_STEP (unless the cache ends first) less than one such
-    step wider; any other pass none."""
+    """A pass of at most PREFILL_GRAPH_ROWS rows gets a graph of its rows and of a width covering its own: a power of
+    two (at least PREFILL_WIDTH_STEP) unless the cache ends first, less than twice its own, the graph within
+    PREFILL_GRAPH_TOKENS; a pass gets none only when more rows or about twice those tokens."""
     assume(longest <= cap)
     width = prefill_width(longest, cap)
     key = prefill_graph_key(rows, width, cap)
-    if rows > PREFILL_GRAPH_ROWS or width > PREFILL_GRAPH_WIDTH:
-        assert key is None
+    if key is None:
+        assert rows > PREFILL_GRAPH_ROWS or 2 * rows * max(width, PREFILL_WIDTH_STEP) > PREFILL_GRAPH_TOKENS
         return
     graph_rows, graph_width = key
-    assert graph_rows == rows and width <= graph_width <= cap and graph_width - width < PREFILL_GRAPH_WIDTH_STEP
-    assert graph_width % PREFILL_GRAPH_WIDTH_STEP == 0 or graph_width == cap
+    assert graph_rows == rows <= PREFILL_GRAPH_ROWS and rows * graph_width <= PREFILL_GRAPH_TOKENS
+    assert width <= graph_width <= cap and graph_width < 2 * max(width, PREFILL_WIDTH_STEP)
+    assert graph_width == cap or (graph_width & (graph_width - 1) == 0 and graph_width >= PREFILL_WIDTH_STEP)
 
 
 def prefill_outputs(model, prompts, slots, cuda_graphs: bool = False, engine: SlotEngine | None = None):
@@ -844,7 +845,7 @@ def assert_same_prefill(got, expected):
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(row, ref_row, strict=True))
 
 
-@pytest.mark.parametrize("step", [1, 64, 160])
+@pytest.mark.parametrize("step", [1, 64, 160])  # 160: the whole cache
 def test_the_width_a_prefill_pass_is_padded_to_changes_no_rows_outputs(model, step):
     """A small pass replays a graph at a width rounded up further than an uncaptured pass's: right padding is never
     attended, so the tokens, logprobs and each row's K/V are those of the pass at its own width."""
@@ -864,7 +865,7 @@ def test_small_prefill_passes_replay_a_graph_that_gives_what_the_uncaptured_pass
     model = tiny_model(seed=5)
     engine, reference = None, None
     for k in range(CAPTURE_ON_USE + 3):
-        prompts = [[(k + 3 * j) % VOCAB + 1 for j in range(10 + k)], [k + 7] * (30 - k)]
+        prompts = [[(k + 3 * j) % VOCAB + 1 for j in range(10 + k)], [k + 7] * (40 - k)]  # width 48, graph 64
         slots = [k % 8, (k + 3) % 8]
         if k == CAPTURE_ON_USE + 1:
             with torch.no_grad():
