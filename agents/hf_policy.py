@@ -20,7 +20,8 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
   steps apart share one prefill pass). On the fast path, arrivals at least as many as the decoding rows are
   gathered as by an idle worker (a batch whose turns ended together, while an early finisher decodes alone): the wait
   stalls the few decoding rows, where admitting each trickle as it comes would give it a prefill pass that
-  stalls them all.
+  stalls them all. The fast path's prefill passes are bounded (`fast_decode.PREFILL_TOKENS`), and between two of
+  them the worker takes what arrived meanwhile, which joins the requests still waiting for a pass.
 * Batch size is capped by `max_batch_size` rows in flight; more requests wait in the queue.
 
 Two paths do the passes:
@@ -502,8 +503,8 @@ class HFPolicy(Policy):
             return False
         self._drop_cancelled()
         if self._engine is not None:
-            self._admit_to_slots()
-            self._step_slots()
+            if not self._admit_to_slots():  # more wait for a pass: take the arrivals first, then the next pass
+                self._step_slots()
         else:
             self._admit()
             for batch in list(self._batches):
@@ -664,21 +665,28 @@ class HFPolicy(Policy):
         return keep
 
     # ----------------------------------------------------------------------------------------- fast path
-    def _admit_to_slots(self) -> None:
-        """Prefill as many waiting requests as there are free slots, in passes of bounded size."""
+    def _admit_to_slots(self) -> bool:
+        """Prefill waiting requests into free slots: one pass of bounded size (`prefill_groups`; the shortest prompts
+        first). True when more could be admitted: the worker then takes the requests that arrived during this pass
+        and runs the next one, without a decode step between — the arrivals join the waiting rest, so that a burst
+        that the pass budget splits does not leave a small pass of its own when the next burst follows (env
+        processes answer a turn boundary in bursts)."""
         room = self._slots.free_count()
         if room <= 0 or not self._waiting or self._admission_waits():
-            return
-        new, self._waiting = self._waiting[:room], self._waiting[room:]
-        self._start(new)
+            return False
+        candidates = self._waiting[:room]
+        widths = [prefill_width(len(r.prompt), self._engine.max_cache_len) for r in candidates]  # as the pass pads
+        group = [candidates[i] for i in prefill_groups(widths, PREFILL_TOKENS)[0]]
+        chosen = set(group)
+        self._waiting = [r for r in self._waiting if r not in chosen]
+        self._start(group)
         try:
             self._engine.check_module(busy=self._slots.held_count() > 0)
         except Exception as e:
-            self._fail(new, "prefill", e)
-            return
-        widths = [prefill_width(len(r.prompt), self._engine.max_cache_len) for r in new]  # as the pass pads them
-        for group in prefill_groups(widths, PREFILL_TOKENS):
-            self._prefill_slots([new[i] for i in group])
+            self._fail(group, "prefill", e)
+        else:
+            self._prefill_slots(group)
+        return bool(self._waiting) and self._slots.free_count() > 0
 
     def _admission_waits(self) -> bool:
         """Whether the waiting requests wait another step (`admit_wait_steps`, `fast_decode.admission_waits`)."""

@@ -15,6 +15,7 @@ import asyncio
 import math
 import random
 import sys
+import threading
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from agents import compiling
+from agents import compiling, hf_policy
 from agents import fast_decode
 from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
                                 PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS,
@@ -162,6 +163,39 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
     # (two arrivals a step apart may still meet at one boundary: the worker takes what is queued when it looks)
     assert stats["prefill_passes"] >= 3 and stats["admission_waits"] == 0
     assert stats["decode_passes"] < 59 + 16  # they decoded beside the long rows
+
+
+def test_arrivals_during_a_prefill_pass_join_the_requests_still_waiting_for_one(model, monkeypatch):
+    """A burst of six requests needs two passes of at most four rows (the budget); six more arrive during the first
+    pass (a second env process's burst). They join the two still waiting: passes of 4, 4 and 4 rows, not 4, 2, 4
+    and 2. Each row's tokens are those it gets alone."""
+    monkeypatch.setattr(hf_policy, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
+    started, release, passes = threading.Event(), threading.Event(), []
+    prefill = SlotEngine.prefill
+
+    def first_pass_waits(engine, slots, prompts, sampling):
+        passes.append(len(prompts))
+        if len(passes) == 1:
+            started.set()
+            release.wait(30)
+        return prefill(engine, slots, prompts, sampling)
+
+    monkeypatch.setattr(SlotEngine, "prefill", first_pass_waits)
+    params = [SamplingParams(temperature=0.9, max_new_tokens=6, seed=i) for i in range(12)]
+    prompts = [[(5 * i + j) % VOCAB for j in range(10 + i % 5)] for i in range(12)]  # one width: 16
+
+    async def main():
+        async with HFPolicy(model, max_batch_size=16, gather_window_s=0.05, **FAST) as policy:
+            tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[:6], params[:6])]
+            await asyncio.to_thread(started.wait, 30)
+            tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[6:], params[6:])]
+            await asyncio.sleep(0.1)  # queued while the first pass runs
+            release.set()
+            return await asyncio.gather(*tasks)
+
+    together = run(main())
+    assert passes == [4, 4, 4]
+    assert_same(together, each_alone(model, prompts, params))
 
 
 def test_arrivals_that_outnumber_the_decoding_rows_are_gathered_into_one_prefill(model):
