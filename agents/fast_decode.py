@@ -235,7 +235,8 @@ class RowSampling:
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(temperature float32, uniform, top_k long, top_p float32) on `device`."""
-        return (_to_device(self.temperature, torch.float32, device), _to_device(self.uniform, cdf_dtype(device), device),
+        return (_to_device(self.temperature, torch.float32, device),
+                _to_device(self.uniform, cdf_dtype(device), device),
                 _to_device(self.top_k, torch.long, device), _to_device(self.top_p, torch.float32, device))
 
 
@@ -588,7 +589,8 @@ class SlotEngine:
             self.stats.setdefault(key, 0)
         self._functions = {fn.__name__: compiled(fn) if compile else fn for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
-        self.capture_failure: str | None = None  #: why decode steps stopped being captured (they then run eagerly)
+        #: why nothing is captured any more (decode steps and prefill passes then run uncaptured)
+        self.capture_failure: str | None = None
         self._state: _SlotState | None = None
         self._graphs: dict[tuple[int, int, str], Any] = {}  #: decode steps by (batch, length, mode) bucket
         self._prefill_graphs: dict[tuple[int, int], _PrefillGraph] = {}  #: small prefill passes by (rows, width)
@@ -747,8 +749,7 @@ class SlotEngine:
         lengths = _to_device([len(p) for p in prompts], torch.long, device)
         index = _to_device(list(slots), torch.long, device)
         if key is None:
-            with self._compilations_counted():
-                logits = self._prefill_logits(ids, lengths, index)
+            logits = self._run_prefill(ids, lengths, index)
         else:
             logits = self._prefill_replay(key, ids, lengths, index)
         temperature, uniform, top_k, top_p = sampling.tensors(device)
@@ -772,6 +773,11 @@ class SlotEngine:
         last = x[torch.arange(n, device=x.device)[:, None], (lengths - 1)[:, None]]  # [n, 1, hidden], not a view
         return head(lay.norm, lay.lm_head, last, self.vocab_size)
 
+    def _run_prefill(self, ids: torch.Tensor, lengths: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """`_prefill_logits` outside a capture, adding the compilations it triggers to `stats`."""
+        with self._compilations_counted():
+            return self._prefill_logits(ids, lengths, slots)
+
     def _prefill_replay(self, key: tuple[int, int], ids: torch.Tensor, lengths: torch.Tensor,
                         slots: torch.Tensor) -> torch.Tensor:
         """`_prefill_logits` from the graph of `key` (captured on its `CAPTURE_ON_USE`-th use, uncaptured before).
@@ -780,11 +786,10 @@ class SlotEngine:
         if graph is None:
             uses = self._uses[key] = self._uses.get(key, 0) + 1
             if uses < CAPTURE_ON_USE:
-                with self._compilations_counted():
-                    return self._prefill_logits(ids, lengths, slots)
+                return self._run_prefill(ids, lengths, slots)
             graph = self._capture_prefill(key, ids, lengths, slots)
-            if graph is None:  # it cannot be captured (nor can anything from now on): run it eagerly
-                return self._prefill_logits(ids, lengths, slots)
+            if graph is None:  # it cannot be captured (nor can anything from now on): run it uncaptured
+                return self._run_prefill(ids, lengths, slots)
         for buffer, value in zip(graph.inputs, (ids, lengths, slots)):
             buffer.copy_(value)
         graph.graph.replay()
@@ -805,9 +810,9 @@ class SlotEngine:
     @torch.no_grad()
     def launch(self, rows: int, need: int, uniforms: Sequence[float] | None, mode: str) -> LaunchedStep:
         """Enqueue one decode step for slots [0, rows) (`rows` a batch bucket; free slots among them are padding;
-        with CUDA graphs, slots from `rows` on must be free: a larger bucket's graph may run the step), and the copy of its outputs to
-        host memory; on CUDA, return without waiting for the device. Each live slot
-        feeds its next token and samples one. `need`: the most cache positions a live row attends to (its filled
+        with CUDA graphs, slots from `rows` on must be free: a larger bucket's graph may run the step), and the copy
+        of its outputs to host memory; on CUDA, return without waiting for the device. Each live slot feeds its next
+        token and samples one. `need`: the most cache positions a live row attends to (its filled
         length + 1); `uniforms`: one per slot (None for a greedy step: nothing is drawn).
 
         A step's inputs (tokens, lengths) are the previous step's outputs, already on the device: the next step can
@@ -934,8 +939,7 @@ class SlotEngine:
         K/V the pass itself writes); None when it cannot be captured (`capture_failure`)."""
         torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
         inputs = (ids.clone(), lengths.clone(), slots.clone())
-        with self._compilations_counted():
-            self._on_side_stream(lambda: self._prefill_logits(*inputs))
+        self._on_side_stream(lambda: self._run_prefill(*inputs))
         try:
             graph, logits = self._record(lambda: self._prefill_logits(*inputs))
         except Exception as e:

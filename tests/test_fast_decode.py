@@ -16,6 +16,7 @@ import math
 import random
 import sys
 import threading
+from unittest import mock
 
 import pytest
 import torch
@@ -24,17 +25,13 @@ from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from agents import compiling, hf_policy
-from agents import fast_decode
+from agents import compiling, fast_decode, hf_policy
 from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
-                                PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS,
-                                RowSampling, SlotEngine, SlotTable, admission_waits, batch_buckets, bucket_for,
-                                decoder_layout, prefill_graph_key, prefill_groups, prefill_width, sample_tokens,
-                                stand_in)
+                                PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
+                                admission_waits, batch_buckets, bucket_for, decoder_layout, prefill_graph_key,
+                                prefill_groups, prefill_width, sample_tokens, stand_in)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
-
-from unittest import mock
 
 from .test_policy_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
