@@ -126,9 +126,13 @@ class ProcessRolloutDriver(EpisodeDriver):
         self._workers = [w for w in self._workers if w not in workers]
 
     def __del__(self):
-        with contextlib.suppress(Exception):  # at interpreter exit, multiprocessing may be torn down already
+        # No module globals here (contextlib, ...): at interpreter exit they may be None already, and so may parts of
+        # multiprocessing.
+        try:
             for w in getattr(self, "_workers", []):
                 w.stop(wait=False)
+        except Exception:
+            pass
 
 
 class _EnvProcess:
