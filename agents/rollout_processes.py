@@ -24,7 +24,6 @@ keeps its pool.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import itertools
 import multiprocessing
