@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from mt_env.checks import is_int, is_real
@@ -98,8 +100,11 @@ class Policy(abc.ABC):
     backend serves them together (batching, or a server's own scheduler).
 
     Subclasses implement `generate`; they may implement `close` and the weight-sync hooks, which by default raise
-    `NotImplementedError` saying that this backend lacks them.
+    `NotImplementedError` saying that this backend lacks them. A backend that counts its work (passes, seconds)
+    keeps the numbers in `stats`; `counted` reads their increase over a block.
     """
+
+    stats: Mapping[str, float] = MappingProxyType({})  #: the backend's running counters (none by default)
 
     @abc.abstractmethod
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
@@ -162,6 +167,17 @@ class Policy(abc.ABC):
 
 
 # --------------------------------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def counted(policy: Policy) -> Iterator[dict[str, float]]:
+    """A dict that, when the block ends, holds how much each of `policy.stats` grew during it (e.g. the embedded
+    engine's passes and seconds over one rollout)."""
+    before, grown = dict(policy.stats), {}
+    try:
+        yield grown
+    finally:
+        grown.update({key: policy.stats[key] - value for key, value in before.items()})
+
+
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:
     """`prompt_ids` as a list of ints, or ValueError saying what is wrong (empty, not ints, outside the vocabulary)."""
     if isinstance(prompt_ids, (str, bytes)):

@@ -63,7 +63,7 @@ import agents.fast_decode  # noqa: E402
 import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
-from agents.policy import SamplingParams  # noqa: E402
+from agents.policy import SamplingParams, counted  # noqa: E402
 from agents.rollout import RolloutDriver, RolloutResult  # noqa: E402
 from agents.rollout_processes import ProcessRolloutDriver  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
@@ -159,20 +159,18 @@ def measure(driver, policy: HFPolicy, tasks: list[dict], args, step: int) -> tup
     if args.gc_freeze:
         gc.freeze()
     for r in range(args.repeats):
-        before = dict(policy.stats)
-        start = time.perf_counter()
-        result = driver.run(tasks, step=step + r)
-        driver_wall = time.perf_counter() - start
-        driver_passes = {k: policy.stats[k] - before[k] for k in before}
+        with counted(policy) as driver_passes:
+            start = time.perf_counter()
+            result = driver.run(tasks, step=step + r)
+            driver_wall = time.perf_counter() - start
         bad = [rec for rec in result.episodes if rec.turns != TURNS or rec.error]
         if bad:
             raise RuntimeError(f"{len(bad)} episode(s) did not play {TURNS} turns, e.g. {bad[0].to_dict()}")
         ends.update(rec.end_reason for rec in result.episodes)
         tokens = int(result.metrics["rollout/generated_tokens"])
         work = turn_work(result)
-        before = dict(policy.stats)
-        engine_wall, engine_tokens = asyncio.run(run_engine(policy, work, args.temperature))
-        engine_passes = {k: policy.stats[k] - before[k] for k in before}
+        with counted(policy) as engine_passes:
+            engine_wall, engine_tokens = asyncio.run(run_engine(policy, work, args.temperature))
         assert engine_tokens == tokens
         driver_tok_s.append(tokens / driver_wall)
         engine_tok_s.append(engine_tokens / engine_wall)

@@ -11,8 +11,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agents.hf_policy import HFPolicy
-from agents.policy import GenerationError, PolicyError, SamplingParams
+from agents.hf_policy import HFPolicy, new_stats
+from agents.policy import GenerationError, PolicyError, SamplingParams, counted
+from agents.scripted import ScriptedPolicy
 from mt_env.turn import ModelTurn
 
 VOCAB = 512
@@ -120,6 +121,24 @@ def test_generation_checks_its_fields():
 
 
 # ------------------------------------------------------------------------------------------------- outputs
+def test_counted_reads_what_a_block_adds_to_a_backends_counters(model):
+    """`counted`: a backend's counters over one block (the trainer's ``engine/*`` metrics of a rollout); a backend
+    without counters gives none."""
+    async def main():
+        async with HFPolicy(model, fast_path=False) as policy:
+            await policy.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))  # counted before
+            with counted(policy) as grown:
+                await policy.generate([4, 5], SamplingParams(temperature=0, max_new_tokens=4))
+            return grown
+
+    grown = run(main())
+    assert grown.keys() == new_stats().keys()
+    assert grown["prefill_passes"] == 1 and grown["decode_passes"] == 3 and grown["busy_s"] > 0
+    with counted(ScriptedPolicy(lambda prompt: [1])) as none:
+        pass
+    assert none == {}
+
+
 def test_length_is_respected_exactly(model, engine):
     async def main():
         async with HFPolicy(model, **engine) as policy:

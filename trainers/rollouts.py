@@ -18,7 +18,7 @@ import contextlib
 
 from accelerate import Accelerator
 
-from agents.policy import Policy, SamplingParams
+from agents.policy import Policy, SamplingParams, counted
 from agents.rollout import RolloutDriver, RolloutResult
 from agents.rollout_processes import ProcessRolloutDriver
 
@@ -45,11 +45,9 @@ class LocalRollouts:
         """The step's episodes; their metrics also carry the embedded engine's counters over the rollout
         (``engine/*``: every counter of `HFPolicy.stats` — passes, rows, seconds busy, in prefill, waiting for
         decode steps, ...; see `agents.hf_policy.new_stats`)."""
-        before = dict(getattr(self.backend, "stats", {}))
-        with self.gathered():
+        with self.gathered(), counted(self.backend) as engine:  # SGLang's backends keep no counters here
             result = self.driver.run(tasks, n=n, step=step)
-        after = getattr(self.backend, "stats", {})  # the embedded engine's (numbers only); SGLang keeps none here
-        result.metrics.update({f"engine/{key}": float(after[key] - value) for key, value in before.items()})
+        result.metrics.update({f"engine/{key}": float(value) for key, value in engine.items()})
         return result
 
     def evaluate(self, tasks: list[dict], step: int) -> dict:
