@@ -134,6 +134,15 @@ class ProcessRolloutDriver(EpisodeDriver):
             pass
 
 
+def rollout_driver(env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
+                   processes: int = 0, **kwargs) -> RolloutDriver | ProcessRolloutDriver:
+    """The driver of a training rollout: a `RolloutDriver`, or with `processes` > 0 a `ProcessRolloutDriver` over
+    that many env processes; `kwargs` are their common arguments (`max_concurrency`, `seed`, ...)."""
+    if processes:
+        return ProcessRolloutDriver(env, policy, sampling, processes=processes, **kwargs)
+    return RolloutDriver(env, policy, sampling, **kwargs)
+
+
 class _EnvProcess:
     """One env process, and this side of its pipe: runs a share of a rollout there and answers its generations."""
 

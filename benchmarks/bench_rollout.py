@@ -64,8 +64,8 @@ import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams, counted  # noqa: E402
-from agents.rollout import RolloutDriver, RolloutResult  # noqa: E402
-from agents.rollout_processes import ProcessRolloutDriver  # noqa: E402
+from agents.rollout import RolloutResult  # noqa: E402
+from agents.rollout_processes import rollout_driver  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
 from mt_env.sample import Seg  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
@@ -291,9 +291,7 @@ def main():
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model, shape = build_model(args.model, args.device, len(tokenizer))
     largest = max(args.batch)
-    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
-    policy = HFPolicy(model, max_batch_size=largest, seed=0, vocab_limit=len(tokenizer),
-                      fast_path=FAST_PATH[args.fast_path], **knobs)
+    policy = make_policy(HFPolicy, model, args, len(tokenizer))
     header = run_header(args, policy, shape, len(tokenizer))
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
     driver = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, largest,
@@ -320,13 +318,19 @@ def make_tasks(n: int) -> list[dict]:
     return [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(n)]
 
 
+def make_policy(cls: type[HFPolicy], model, args: argparse.Namespace, vocab: int) -> HFPolicy:
+    """The engine measured (`cls`: HFPolicy or a subclass that marks its phases), for the largest batch, with the
+    command line's knobs."""
+    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
+    return cls(model, max_batch_size=max(args.batch), seed=0, vocab_limit=vocab, fast_path=FAST_PATH[args.fast_path],
+               **knobs)
+
+
 def make_driver(make_env, policy: HFPolicy, sampling: SamplingParams, concurrency: int, env_processes: int = 0):
     """The driver measured: its env work in this process (`RolloutDriver`), or in `env_processes` processes
     (`ProcessRolloutDriver`)."""
-    if env_processes:
-        return ProcessRolloutDriver(make_env, policy, sampling, processes=env_processes, max_concurrency=concurrency,
-                                    generation_timeout_s=None, seed=0)
-    return RolloutDriver(make_env, policy, sampling, max_concurrency=concurrency, generation_timeout_s=None, seed=0)
+    return rollout_driver(make_env, policy, sampling, processes=env_processes, max_concurrency=concurrency,
+                          generation_timeout_s=None, seed=0)
 
 
 def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import (  # noqa: E402
-    FAST_PATH, KeepGoingEnv, build_model, make_driver, make_tasks, run_engine, turn_work)
+    KeepGoingEnv, build_model, make_driver, make_policy, make_tasks, run_engine, turn_work)
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
 
 GAP_S = 50e-6  # idle stretches shorter than this are launch jitter, not lost time
@@ -254,9 +254,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer("offline:qwen2.5")
     model, shape = build_model(args.model, args.device, len(tokenizer))
-    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
-    policy = MarkedPolicy(model, max_batch_size=max(args.batch), seed=0, vocab_limit=len(tokenizer),
-                          **knobs, fast_path=FAST_PATH[args.fast_path])
+    policy = make_policy(MarkedPolicy, model, args, len(tokenizer))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     driver = make_driver(functools.partial(MarkedEnv, tokenizer=tokenizer), policy, sampling, max(args.batch))
     processes = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, max(args.batch),

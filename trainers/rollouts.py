@@ -20,7 +20,7 @@ from accelerate import Accelerator
 
 from agents.policy import Policy, SamplingParams, counted
 from agents.rollout import RolloutDriver, RolloutResult
-from agents.rollout_processes import ProcessRolloutDriver
+from agents.rollout_processes import ProcessRolloutDriver, rollout_driver
 
 from .config import Config
 from .distributed import gathered_for_generation
@@ -91,8 +91,7 @@ def make_rollouts(cfg: Config, accelerator: Accelerator, policy, lm, tokenizer, 
     rank, world = accelerator.process_index, accelerator.num_processes
     train = dict(seed=cfg.seed * 1000 + rank, progress=cfg.logging.progress and accelerator.is_main_process,
                  max_concurrency=cfg.rollout.prompts_per_step // world * cfg.rollout.n)
-    driver = (ProcessRolloutDriver(make_env, backend, sampling, processes=cfg.rollout.env_processes, **train)
-              if cfg.rollout.env_processes else RolloutDriver(make_env, backend, sampling, **train))
+    driver = rollout_driver(make_env, backend, sampling, processes=cfg.rollout.env_processes, **train)
     eval_driver = RolloutDriver(make_eval_env, backend, sampling, seed=cfg.seed * 1000 + 500 + rank,
                                 max_concurrency=max(1, cfg.eval.episodes * cfg.eval.samples // world))
     return LocalRollouts(cfg, accelerator, policy, lm, backend, driver, eval_driver)
