@@ -480,8 +480,9 @@ def prefill_graph_key(rows: int, width: int, max_cache_len: int) -> tuple[int, i
 
 
 def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Indices of `lengths` grouped for prefill passes: sorted by length (less padding), each group's padded size
-    (rows x longest) within `max_tokens` (a longer prompt gets a group of its own)."""
+    """Indices of `lengths` (the widths passes pad them to) grouped for prefill passes: sorted by length (less
+    padding), each group's padded size (rows x longest) within `max_tokens` (a longer prompt gets a group of its
+    own)."""
     groups: list[list[int]] = []
     for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
         if groups and (len(groups[-1]) + 1) * lengths[i] <= max_tokens:
@@ -489,6 +490,12 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
         else:
             groups.append([i])
     return groups
+
+
+def next_prefill_group(prompt_lengths: Sequence[int], max_cache_len: int) -> list[int]:
+    """Indices of the prompts the next prefill pass takes: the first of `prefill_groups` over the widths the passes
+    pad them to (`prefill_width`), within `PREFILL_TOKENS`."""
+    return prefill_groups([prefill_width(n, max_cache_len) for n in prompt_lengths], PREFILL_TOKENS)[0]
 
 
 def admission_waits(waited: Sequence[int], decoding: int, wait_steps: int) -> bool:
@@ -904,14 +911,12 @@ class SlotEngine:
                 self.stats["uncaptured_steps"] += 1
                 self._run_decode(*key)
                 return
-            torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
-            self._warm_up(key)  # an error here is the step's own: it propagates
-            try:
-                graph = self._capture(key)
-            except Exception as e:  # the step runs eagerly but cannot be captured: run every step eagerly
-                self._capture_failed(e)
+            recorded = self._try_capture(lambda: self._warm_up(key), lambda: self._decode(*key))
+            if recorded is None:  # the step runs eagerly but cannot be captured: run every step eagerly
                 self._run_decode(*key)
                 return
+            graph = self._graphs[key] = recorded[0]
+            self.stats["graph_captures"] += 1
         graph.replay()
         self.stats["graph_replays"] += 1
 
@@ -926,28 +931,29 @@ class SlotEngine:
             s.tokens.copy_(saved[0])
             s.lengths.copy_(saved[1])
 
-    def _capture(self, key: tuple[int, int, str]):
-        """Capture the warmed-up step. The captured step reads and writes only the persistent slot buffers."""
-        graph, _ = self._record(lambda: self._decode(*key))
-        self._graphs[key] = graph
-        self.stats["graph_captures"] += 1
-        return graph
-
     def _capture_prefill(self, key: tuple[int, int], ids: torch.Tensor, lengths: torch.Tensor,
                          slots: torch.Tensor) -> _PrefillGraph | None:
         """Warm up and capture the prefill pass of `key` with these inputs as its buffers (the warm-up writes the
         K/V the pass itself writes); None when it cannot be captured (`capture_failure`)."""
-        torch.cuda.current_stream(self._state.live.device).synchronize()  # nothing in flight during a capture
         inputs = (ids.clone(), lengths.clone(), slots.clone())
-        self._on_side_stream(lambda: self._run_prefill(*inputs))
+        recorded = self._try_capture(lambda: self._on_side_stream(lambda: self._run_prefill(*inputs)),
+                                     lambda: self._prefill_logits(*inputs))
+        if recorded is None:
+            return None
+        captured = self._prefill_graphs[key] = _PrefillGraph(recorded[0], inputs, recorded[1])
+        self.stats["prefill_graph_captures"] += 1
+        return captured
+
+    def _try_capture(self, warm_up: Callable[[], Any], run: Callable[[], Any]) -> tuple[Any, Any] | None:
+        """With nothing in flight, `warm_up` (an error there is the pass's own: it propagates), then `_record` of
+        `run`; None when the capture fails (`_capture_failed`: nothing is captured from then on)."""
+        torch.cuda.current_stream(self._state.live.device).synchronize()
+        warm_up()
         try:
-            graph, logits = self._record(lambda: self._prefill_logits(*inputs))
+            return self._record(run)
         except Exception as e:
             self._capture_failed(e)
             return None
-        captured = self._prefill_graphs[key] = _PrefillGraph(graph, inputs, logits)
-        self.stats["prefill_graph_captures"] += 1
-        return captured
 
     def _on_side_stream(self, run: Callable[[], Any]) -> None:
         """`run` `WARMUP_STEPS` times on the side stream graphs are captured on, after the work queued so far."""

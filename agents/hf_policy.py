@@ -88,9 +88,9 @@ from torch import nn
 
 from mt_env.turn import ModelTurn
 
-from .fast_decode import (DEFAULT_MAX_CACHE_LEN, ENGINE_COUNTERS, PREFILL_TOKENS, SAMPLING_MODES, LaunchedStep,
-                          RowSampling, SlotEngine, SlotTable, UnsupportedModel, admission_waits, decoder_layout,
-                          module_device, prefill_groups, prefill_width, sample_tokens, sampling_mode)
+from .fast_decode import (DEFAULT_MAX_CACHE_LEN, ENGINE_COUNTERS, SAMPLING_MODES, LaunchedStep, RowSampling,
+                          SlotEngine, SlotTable, UnsupportedModel, admission_waits, decoder_layout, module_device,
+                          next_prefill_group, sample_tokens, sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
@@ -235,7 +235,7 @@ def new_stats() -> dict[str, int | float]:
     counts = ("prefill_passes", "decode_passes", "decoded_rows", "merges", "separate_batches", "padded_rows",
               "wasted_rows", "compaction_moves", "admission_waits", *ENGINE_COUNTERS)
     seconds = ("compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
-    return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)
+    return dict.fromkeys(counts, 0) | dict.fromkeys(seconds, 0.0)  # compile_s, one of ENGINE_COUNTERS, is seconds
 
 
 class HFPolicy(Policy):
@@ -666,8 +666,8 @@ class HFPolicy(Policy):
 
     # ----------------------------------------------------------------------------------------- fast path
     def _admit_to_slots(self) -> bool:
-        """Prefill waiting requests into free slots: one pass of bounded size (`prefill_groups`; the shortest prompts
-        first). True when more could be admitted: the worker then takes the requests that arrived during this pass
+        """Prefill waiting requests into free slots: one pass of bounded size (`next_prefill_group`: the shortest
+        prompts first). True when more could be admitted: the worker then takes the requests that arrived during this pass
         and runs the next one, without a decode step between — the arrivals join the waiting rest, so that a burst
         that the pass budget splits does not leave a small pass of its own when the next burst follows (env
         processes answer a turn boundary in bursts)."""
@@ -675,8 +675,8 @@ class HFPolicy(Policy):
         if room <= 0 or not self._waiting or self._admission_waits():
             return False
         candidates = self._waiting[:room]
-        widths = [prefill_width(len(r.prompt), self._engine.max_cache_len) for r in candidates]  # as the pass pads
-        group = [candidates[i] for i in prefill_groups(widths, PREFILL_TOKENS)[0]]
+        group = [candidates[i] for i in next_prefill_group([len(r.prompt) for r in candidates],
+                                                           self._engine.max_cache_len)]
         chosen = set(group)
         self._waiting = [r for r in self._waiting if r not in chosen]
         self._start(group)

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from agents import compiling, fast_decode, hf_policy
+from agents import compiling, fast_decode
 from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
                                 PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
                                 admission_waits, batch_buckets, bucket_for, decoder_layout, prefill_graph_key,
@@ -166,7 +166,7 @@ def test_arrivals_during_a_prefill_pass_join_the_requests_still_waiting_for_one(
     """A burst of six requests needs two passes of at most four rows (the budget); six more arrive during the first
     pass (a second env process's burst). They join the two still waiting: passes of 4, 4 and 4 rows, not 4, 2, 4
     and 2. Each row's tokens are those it gets alone."""
-    monkeypatch.setattr(hf_policy, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
+    monkeypatch.setattr(fast_decode, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
     started, release, passes = threading.Event(), threading.Event(), []
     prefill = SlotEngine.prefill
 
