@@ -667,9 +667,9 @@ class HFPolicy(Policy):
     # ----------------------------------------------------------------------------------------- fast path
     def _admit_to_slots(self) -> bool:
         """Prefill waiting requests into free slots: one pass of bounded size (`next_prefill_group`: the shortest
-        prompts first). True when more could be admitted: the worker then takes the requests that arrived during this pass
-        and runs the next one, without a decode step between — the arrivals join the waiting rest, so that a burst
-        that the pass budget splits does not leave a small pass of its own when the next burst follows (env
+        prompts first). True when more could be admitted: the worker then takes the requests that arrived during
+        this pass and runs the next one, without a decode step between — the arrivals join the waiting rest, so that
+        a burst that the pass budget splits does not leave a small pass of its own when the next burst follows (env
         processes answer a turn boundary in bursts)."""
         room = self._slots.free_count()
         if room <= 0 or not self._waiting or self._admission_waits():
