@@ -168,14 +168,15 @@ class Policy(abc.ABC):
 
 # --------------------------------------------------------------------------------------------- helpers
 @contextlib.contextmanager
-def counted(policy: Policy) -> Iterator[dict[str, float]]:
-    """A dict that, when the block ends, holds how much each of `policy.stats` grew during it (e.g. the embedded
-    engine's passes and seconds over one rollout)."""
-    before, grown = dict(policy.stats), {}
+def counted(source: Any) -> Iterator[dict[str, float]]:
+    """A dict that, when the block ends, holds how much each of `source.stats` grew during it (e.g. the embedded
+    engine's passes and seconds over one rollout): a `Policy`, or anything with a `stats` mapping of numbers (a
+    `SlotEngine`)."""
+    before, grown = dict(source.stats), {}
     try:
         yield grown
     finally:
-        grown.update({key: policy.stats[key] - value for key, value in before.items()})
+        grown.update({key: source.stats[key] - value for key, value in before.items()})
 
 
 def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None = None) -> list[int]:

@@ -194,6 +194,10 @@ class EpisodeDriver(abc.ABC):
         """Play the episodes `ids` (episode ``(g, i)`` plays ``tasks[g]``); returns their records, in the order of
         `ids`, and the wall-time split. `on_finished` is told of each episode as it ends."""
 
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the driver keeps between rollouts (envs, env processes); a later rollout makes them again."""
+
 
 class RolloutDriver(EpisodeDriver):
     """Runs episodes of one env type against one policy.

@@ -135,7 +135,7 @@ class ProcessRolloutDriver(EpisodeDriver):
 
 
 def rollout_driver(env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
-                   processes: int = 0, **kwargs) -> RolloutDriver | ProcessRolloutDriver:
+                   processes: int = 0, **kwargs) -> EpisodeDriver:
     """The driver of a training rollout: a `RolloutDriver`, or with `processes` > 0 a `ProcessRolloutDriver` over
     that many env processes; `kwargs` are their common arguments (`max_concurrency`, `seed`, ...)."""
     if processes:
@@ -205,9 +205,8 @@ class _EnvProcess:
             task = answers.pop(body[0], None)
             if task is not None:
                 task.cancel()
-        elif kind == "finished":
-            if on_finished is not None:
-                on_finished(body[0])
+        elif kind == "finished":  # sent only when `on_finished` was given (see `_play_share`)
+            on_finished(body[0])
         elif kind == "result":
             done.set_result(tuple(body))
         elif kind == "error":
@@ -309,9 +308,10 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "close":
                 return
-            _, tasks, ids, step, sampling, progress = message
+            _, tasks, ids, step, sampling, report_finished = message
             try:
-                records, spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling, progress))
+                records, spent = asyncio.run(
+                    _play_share(driver, policy, conn, tasks, ids, step, sampling, report_finished))
             except BaseException as e:
                 conn.send(("error", portable(e, EnvProcessError)))
                 if not isinstance(e, Exception):
@@ -323,12 +323,12 @@ def _env_process_main(conn) -> None:
 
 
 async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling,
-                      progress: bool):
-    """Play a share; each finished episode is reported (for the progress bar) only when `progress`."""
+                      report_finished: bool):
+    """Play a share; each finished episode is reported (for the progress bar) only when `report_finished`."""
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), policy.on_message)
     try:
-        report = (lambda record: conn.send(("finished", _slim(record)))) if progress else None
+        report = (lambda record: conn.send(("finished", _slim(record)))) if report_finished else None
         return await driver.play(tasks, ids, step, sampling, on_finished=report)
     finally:
         loop.remove_reader(conn.fileno())

@@ -57,10 +57,11 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
 
 
 # --------------------------------------------------------------------------------------------- packed attention
-#: ``sdpa`` as the trainer runs it: transformers' SDPA attention, except for packed rows on CUDA, which go through
-#: flash attention's variable-length kernel (`torch.nn.attention.varlen`). A packed micro-batch of T tokens then
-#: costs the sum of its sequences' attention, not T² — the dense block-diagonal mask SDPA needs would compute (and
-#: mask) every pair of tokens across sequences, as much work as the rest of the model at T ≈ 10k.
+#: ``sdpa`` as the trainer runs it: transformers' SDPA attention, except for a half-precision model's packed rows on
+#: CUDA (`VARLEN_DTYPES`), which go through flash attention's variable-length kernel (`torch.nn.attention.varlen`). A
+#: packed micro-batch of T tokens then costs the sum of its sequences' attention, not T² — the dense block-diagonal mask
+#: SDPA needs would compute (and mask) every pair of tokens across sequences, as much work as the rest of the model
+#: at T ≈ 10k.
 SDPA_VARLEN = "sdpa_varlen"
 #: the dtypes flash attention's kernels take; a float32 model's packed rows get the dense block-diagonal mask
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)

@@ -19,8 +19,8 @@ import contextlib
 from accelerate import Accelerator
 
 from agents.policy import Policy, SamplingParams, counted
-from agents.rollout import RolloutDriver, RolloutResult
-from agents.rollout_processes import ProcessRolloutDriver, rollout_driver
+from agents.rollout import EpisodeDriver, RolloutDriver, RolloutResult
+from agents.rollout_processes import rollout_driver
 
 from .config import Config
 from .distributed import gathered_for_generation
@@ -31,7 +31,7 @@ class LocalRollouts:
     """Episodes played in this process (see the module docstring)."""
 
     def __init__(self, cfg: Config, accelerator: Accelerator, policy, lm, backend: Policy,
-                 driver: RolloutDriver | ProcessRolloutDriver,
+                 driver: EpisodeDriver,
                  eval_driver: RolloutDriver):
         self.cfg = cfg
         self.accelerator = accelerator
