@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 import agents.fast_decode  # noqa: E402
 from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
-from agents.policy import SamplingParams  # noqa: E402
+from agents.policy import SamplingParams, counted  # noqa: E402
 from benchmarks.bench_rollout import build_model  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
 
@@ -72,20 +72,19 @@ def main():
     rng = random.Random(0)
     start = time.perf_counter()
     timed_pass(engine, 4, 64, vocab, rng)  # compiles the prefill's functions
-    print(f"model: {shape}\nfirst pass (compilation): {time.perf_counter() - start:.1f} s\n")
+    print(f"model: {shape}\nfirst pass{'' if args.eager else ' (compilation)'}: {time.perf_counter() - start:.1f} s\n")
     rounds = []
     for r in range(args.rounds):
-        before = dict(engine.stats)
-        rounds.append([timed_pass(engine, rows, width, vocab, rng) * 1e3 for rows, width in SHAPES])
-        print(f"round {r + 1}: {engine.stats['compilations'] - before['compilations']} compilation(s), "
-              f"{engine.stats['compile_s'] - before['compile_s']:.1f} s")
+        with counted(engine) as made:
+            rounds.append([timed_pass(engine, rows, width, vocab, rng) * 1e3 for rows, width in SHAPES])
+        print(f"round {r + 1}: {made['compilations']} compilation(s), {made['compile_s']:.1f} s")
     print(f"{'rows':>5} {'width':>6} {'tokens':>7}  " + "  ".join(f"round {r + 1} ms" for r in range(args.rounds)))
     for i, (rows, width) in enumerate(SHAPES):
         print(f"{rows:>5} {width:>6} {rows * width:>7}  " + "  ".join(f"{t[i]:>10.1f}" for t in rounds))
     if args.profile:
         profile_unseen(engine, vocab, rng)
     if args.out:
-        Path(args.out).write_text(json.dumps(dict(model=shape, shapes=SHAPES, ms=rounds,
+        Path(args.out).write_text(json.dumps(dict(model=shape, shapes=SHAPES, ms=rounds, eager=args.eager,
                                                   width_step=agents.fast_decode.PREFILL_WIDTH_STEP), indent=1))
 
 

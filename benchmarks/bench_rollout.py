@@ -22,12 +22,11 @@ env pool, as a trainer's first step would). Goals: engine >= 2x hf_static (the f
 0.95x engine. Also reported: the driver's wall-time split (generation in flight / tool steps only / its own
 bookkeeping: resets, parsing, conversation ids, training samples with the drift check), the policy's pass counts
 (prefill passes, decode steps, rows per step: decoded, wasted — launched before their row's end was read — and
-padding) and its worker's time: busy, gathering the requests that trickle in (when it is idle, or while fewer
-rows decode than wait), in prefill passes,
-launching decode steps (on CUDA enqueueing them; on CPU computing them), waiting for their outputs, and the rest
-(its bookkeeping between steps, including the waits to take the GIL back from the event loop). With overlapped
-steps the launches and the rest run while the device computes the step before: where they take longer than a
-step, the host is the bottleneck.
+padding) and its worker's time: busy, gathering the requests that trickle in (when it is idle, or while fewer rows
+decode than wait), in prefill passes, launching decode steps (on CUDA enqueueing them; on CPU computing them),
+waiting for their outputs, and the rest (its bookkeeping between steps, including the waits to take the GIL back
+from the event loop). With overlapped steps the launches and the rest run while the device computes the step before:
+where they take longer than a step, the host is the bottleneck.
 
     python benchmarks/bench_rollout.py                                   # CPU: tiny random Qwen2, batch 64 and 256
     python benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --new-tokens 128 --batch 64 256 512 \

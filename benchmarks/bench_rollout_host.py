@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
 from agents.policy import SamplingParams  # noqa: E402
-from agents.rollout import RolloutDriver  # noqa: E402
+from agents.rollout_processes import rollout_driver  # noqa: E402
 from agents.scripted import ScriptedPolicy  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import TaskSource, env_factory, make_tokenizer  # noqa: E402
@@ -45,8 +45,8 @@ def main():
     answer = [rng.randrange(1000, len(tokenizer) // 2) for _ in range(cfg.rollout.max_new_tokens)]  # no stop token
     policy = ScriptedPolicy(lambda prompt: answer, vocab_size=len(tokenizer))
     episodes = cfg.rollout.prompts_per_step * cfg.rollout.n
-    driver = RolloutDriver(make_env, policy, SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens), seed=cfg.seed,
-                           max_concurrency=episodes)
+    driver = rollout_driver(make_env, policy, SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens),
+                            processes=cfg.rollout.env_processes, seed=cfg.seed, max_concurrency=episodes)
 
     def rollout(step: int) -> float:
         start = time.perf_counter()

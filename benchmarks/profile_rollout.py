@@ -220,9 +220,10 @@ def analyse(trace: dict, marks: list[tuple[float, float, str, str]], anchor: flo
 
 def profiled(fn, out: Path, name: str) -> tuple[dict, object, list, float]:
     """Run `fn()` under the profiler; write the gzipped trace; return (the trace, fn's result, the marks made
-    meanwhile, the anchor's perf_counter time)."""
+    meanwhile, the anchor's perf_counter time, the seconds under the profiler)."""
     MARKS.clear()
     cuda = torch.cuda.is_available()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         with record_function("anchor"):
             anchor = time.perf_counter()
@@ -230,10 +231,10 @@ def profiled(fn, out: Path, name: str) -> tuple[dict, object, list, float]:
             result = fn()
             if cuda:
                 torch.cuda.synchronize()
-    marks = list(MARKS)
+    profiled_s, marks = time.perf_counter() - start, list(MARKS)
     path = out / f"{name}.json.gz"
     prof.export_chrome_trace(str(path))  # gzipped by torch (the name ends in .gz)
-    return json.loads(gzip.decompress(path.read_bytes())), result, marks, anchor
+    return json.loads(gzip.decompress(path.read_bytes())), result, marks, anchor, profiled_s
 
 
 def main():
@@ -274,23 +275,22 @@ def main():
                     timeline(lambda: processes.run(tasks[:batch], step=1),
                              f"driver with {args.env_processes} env processes, {batch} episodes")
                 continue
-            start = time.perf_counter()
             driver_run = profiled(lambda: driver.run(tasks[:batch], step=1), out, f"driver_{batch}")
-            driver_s = time.perf_counter() - start
             result = driver_run[1]
             work = turn_work(result)
             engine_run = profiled(lambda: asyncio.run(run_engine(policy, work, 1.0)), out, f"engine_{batch}")
             tokens = int(result.metrics["rollout/generated_tokens"])
-            for name, (trace, _, marks, anchor) in (("driver", driver_run), ("engine", engine_run)):
+            for name, (trace, _, marks, anchor, _) in (("driver", driver_run), ("engine", engine_run)):
                 report["runs"][f"{name}_{batch}"] = dict(tokens=tokens, **analyse(trace, marks, anchor))
-            report["runs"][f"driver_{batch}"]["wall_with_profiler_s"] = driver_s
+            report["runs"][f"driver_{batch}"]["wall_with_profiler_s"] = driver_run[4]
             print_report(report["runs"], batch)
     finally:
         asyncio.run(policy.close())
         driver.close()
         if processes is not None:
             processes.close()
-    (out / "profile.json").write_text(json.dumps(report, indent=2))
+    if report["runs"]:  # --timeline profiles nothing: an earlier profile in `out` stays
+        (out / "profile.json").write_text(json.dumps(report, indent=2))
 
 
 def print_report(runs: dict, batch: int) -> None:
