@@ -325,9 +325,11 @@ class RolloutDriver(EpisodeDriver):
                                       stop_token_ids=stop, seed=(seed + turn) % 2**63)
             with clock.during("generation", record):
                 try:
-                    generated = await asyncio.wait_for(self.policy.generate(conv.context_ids, params),
-                                                       self.generation_timeout_s)
+                    async with asyncio.timeout(self.generation_timeout_s) as limit:
+                        generated = await self.policy.generate(conv.context_ids, params)
                 except TimeoutError:
+                    if not limit.expired():  # the policy's own (a server client's, say): the episode fails with it
+                        raise
                     raise _GenerationTimeout(f"generation timed out after {self.generation_timeout_s}s") from None
             record.finish_reasons.append(generated.finish_reason)
             record.generated_tokens += len(generated)

@@ -313,8 +313,21 @@ def timeout(tok, fmt):
     return lambda: CalculatorEnv(tokenizer=tok), policy, dict(generation_timeout_s=0.3)
 
 
+def policy_timeout(tok, fmt):
+    """The policy raises a TimeoutError of its own (a server client's request limit), well within the driver's."""
+    script = expert(fmt)
+
+    def answer(prompt):
+        if operands_of(fmt, prompt) == BROKEN:
+            raise TimeoutError("the server's own request timed out")
+        return script(prompt)
+
+    return lambda: CalculatorEnv(tokenizer=tok), ScriptedPolicy(answer), dict(generation_timeout_s=30)
+
+
 @pytest.mark.parametrize("breaker, message", [
     (broken_scorer, r"^TimeoutError: the scorer timed out on 13 \* 13$"),
+    (policy_timeout, r"^TimeoutError: the server's own request timed out$"),
     (out_of_vocab, r"outside the vocabulary"),
     (timeout, r"^generation timed out after 0.3s$"),
 ])
