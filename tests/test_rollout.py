@@ -313,15 +313,21 @@ def timeout(tok, fmt):
     return lambda: CalculatorEnv(tokenizer=tok), policy, dict(generation_timeout_s=0.3)
 
 
-def policy_timeout(tok, fmt):
-    """The policy raises a TimeoutError of its own (a server client's request limit), well within the driver's."""
+def expert_failing_on_broken(fmt, error: Exception):
+    """The expert's script, raising `error` on the BROKEN task."""
     script = expert(fmt)
 
     def answer(prompt):
         if operands_of(fmt, prompt) == BROKEN:
-            raise TimeoutError("the server's own request timed out")
+            raise error
         return script(prompt)
 
+    return answer
+
+
+def policy_timeout(tok, fmt):
+    """The policy raises a TimeoutError of its own (a server client's request limit), well within the driver's."""
+    answer = expert_failing_on_broken(fmt, TimeoutError("the server's own request timed out"))
     return lambda: CalculatorEnv(tokenizer=tok), ScriptedPolicy(answer), dict(generation_timeout_s=30)
 
 
@@ -398,12 +404,7 @@ def test_envs_without_a_tokenizer_are_refused(fmt):
 
 # --------------------------------------------------------------------------------------------- engine death
 def test_a_dying_policy_fails_the_whole_rollout_at_once(qwen25, fmt):
-    script = expert(fmt)
-
-    def dies_on_the_second_task(prompt):
-        if operands_of(fmt, prompt) == BROKEN:
-            raise PolicyError("the engine died")
-        return script(prompt)
+    dies_on_the_second_task = expert_failing_on_broken(fmt, PolicyError("the engine died"))
 
     latency = lambda p: 0.05 if operands_of(fmt, p) == BROKEN else 30.0  # noqa: E731  the others are in flight
     policy = Recording(ScriptedPolicy(dies_on_the_second_task, latency))
