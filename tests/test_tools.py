@@ -490,7 +490,7 @@ def process_gone(pid: int, wait_s: float = 10.0) -> bool:
             with open(f"/proc/{pid}/stat") as f:
                 if f.read().rsplit(")", 1)[1].split()[0] == "Z":
                     return True
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between the open and the read
             return True
         time.sleep(0.01)
     return False
