@@ -168,15 +168,17 @@ class _EnvProcess:
     async def play(self, tasks: Mapping[int, dict], ids: list[EpisodeId], step: int, sampling: SamplingParams,
                    policy: Policy, on_finished: Callable[[EpisodeRecord], None] | None
                    ) -> tuple[list[EpisodeRecord], Counter]:
-        """Have the process play `ids`; serve its generations with `policy` meanwhile."""
+        """Have the process play `ids`; serve its generations with `policy` meanwhile. Each episode's record comes
+        back as the episode ends (unpickled here while the others play, not all at once after the last)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         answers: dict[int, asyncio.Task] = {}
+        finished: dict[EpisodeId, EpisodeRecord] = {}
 
         def on_message() -> None:
             try:
                 while not done.done() and self.conn.poll():
-                    self._handle(self.conn.recv(), policy, answers, done, on_finished)
+                    self._handle(self.conn.recv(), policy, answers, done, finished, on_finished)
             except (EOFError, OSError):
                 if not done.done():
                     self.process.join(timeout=1)
@@ -184,19 +186,23 @@ class _EnvProcess:
                         f"env process {self.index} died (exit code {self.process.exitcode})"))
 
         self.idle = False
-        self._send(("play", tasks, ids, step, sampling, on_finished is not None))
+        self._send(("play", tasks, ids, step, sampling))
         loop.add_reader(self.conn.fileno(), on_message)
         try:
-            records, spent = await done
+            spent = await done
         finally:
             loop.remove_reader(self.conn.fileno())
             for task in answers.values():
                 task.cancel()
         self.idle = True
-        return records, spent
+        missing = [e for e in ids if e not in finished]
+        if missing:  # the process's RolloutDriver reports every episode it was given: a broken protocol, not an env
+            raise EnvProcessError(f"env process {self.index} ended its share without the records of {missing}")
+        return [finished[e] for e in ids], spent
 
     def _handle(self, message: tuple, policy: Policy, answers: dict[int, asyncio.Task], done: asyncio.Future,
-                on_finished: Callable[[EpisodeRecord], None] | None) -> None:
+                finished: dict[EpisodeId, EpisodeRecord], on_finished: Callable[[EpisodeRecord], None] | None
+                ) -> None:
         kind, *body = message
         if kind == "generate":
             key, prompt_ids, params = body
@@ -205,10 +211,12 @@ class _EnvProcess:
             task = answers.pop(body[0], None)
             if task is not None:
                 task.cancel()
-        elif kind == "finished":  # sent only when `on_finished` was given (see `_play_share`)
-            on_finished(body[0])
+        elif kind == "finished":
+            record = finished[body[0].id] = body[0]
+            if on_finished is not None:
+                on_finished(record)
         elif kind == "result":
-            done.set_result(tuple(body))
+            done.set_result(body[0])
         elif kind == "error":
             done.set_exception(body[0])
 
@@ -308,32 +316,27 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "close":
                 return
-            _, tasks, ids, step, sampling, report_finished = message
+            _, tasks, ids, step, sampling = message
             try:
-                records, spent = asyncio.run(
-                    _play_share(driver, policy, conn, tasks, ids, step, sampling, report_finished))
+                spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling))
             except BaseException as e:
                 conn.send(("error", portable(e, EnvProcessError)))
                 if not isinstance(e, Exception):
                     raise
             else:
-                conn.send(("result", records, dict(spent)))
+                conn.send(("result", spent))
     finally:
         driver.close()
 
 
-async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling,
-                      report_finished: bool):
-    """Play a share; each finished episode is reported (for the progress bar) only when `report_finished`."""
+async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling) -> dict:
+    """Play a share, sending each episode's record as it ends (so the pickling, and the driver's process's
+    unpickling, of a share's records is spread over the rollout instead of following its last turn); returns the
+    wall-time split."""
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), policy.on_message)
     try:
-        report = (lambda record: conn.send(("finished", _slim(record)))) if report_finished else None
-        return await driver.play(tasks, ids, step, sampling, on_finished=report)
+        _, spent = await driver.play(tasks, ids, step, sampling, on_finished=lambda r: conn.send(("finished", r)))
+        return dict(spent)
     finally:
         loop.remove_reader(conn.fileno())
-
-
-def _slim(record: EpisodeRecord) -> EpisodeRecord:
-    """What the progress bar reads of a finished episode (its samples and messages stay for the result)."""
-    return EpisodeRecord(id=record.id, state=record.state, success=record.success)

@@ -16,7 +16,7 @@ import pytest
 
 from agents.hf_policy import HFPolicy
 from agents.policy import Policy, PolicyError, SamplingParams
-from agents.rollout import EpisodeState, RolloutDriver
+from agents.rollout import EpisodeState, RolloutDriver, episode_ids
 from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
@@ -133,6 +133,22 @@ def test_sampled_hf_rollouts_equal_the_in_process_drivers(qwen25, model):  # noq
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
     for g in range(3):  # the members of a group sampled different answers (their own seeds)
         assert len({tuple(s.ids[s.prompt_len:]) for s in result.samples if s.group == g}) == 2
+
+
+def test_each_record_reaches_the_drivers_process_whole_as_its_episode_ends(expert_driver):
+    """Not all at once after the last turn: the records of the episodes that ended early are here, samples and all,
+    while a slow episode still plays, and they are the records the rollout returns."""
+    driver, policy = expert_driver
+    slow = [5, 6, 7]  # three turns of 0.5 s
+    policy.latency = lambda operands: 0.5 if operands == slow else 0.0
+    arrived = []  # (record, generations still in flight when it arrived)
+    ids = episode_ids(2, 2)
+    records, _ = run(driver.play(tasks_for([12, 34], slow), ids, 0, SamplingParams(),
+                                 on_finished=lambda r: arrived.append((r, policy.in_flight))))
+    early = [(r, in_flight) for r, in_flight in arrived if r.id.group == 0]
+    assert len(early) == 2 and all(in_flight > 0 for _, in_flight in early)  # the slow ones were still generating
+    assert all(r.samples and r.messages and r.state == EpisodeState.COMPLETED for r, _ in arrived)
+    assert sorted(map(id, records)) == sorted(id(r) for r, _ in arrived) and [r.id for r in records] == ids
 
 
 # --------------------------------------------------------------------------------------------- failures
