@@ -79,6 +79,13 @@ def worker(args) -> None:
         (Path(args.worker) / f"metrics_{world}.json").write_text(json.dumps(metrics))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # leave the process group together: gloo aborts a process that exits inside one
+    if world > 1:
+        # Skip the interpreter's teardown, where DDP's objects (still holding gloo's work) are freed in no set order:
+        # a process that had written its results aborted there ("terminate called without an active exception")
+        # in 1 of ~200 loaded CPU runs, failing the check. Its results are on disk, the process group is left.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def compare(work: Path) -> dict:
