@@ -175,10 +175,15 @@ class _EnvProcess:
         answers: dict[int, asyncio.Task] = {}
         finished: dict[EpisodeId, EpisodeRecord] = {}
 
+        def arrived(record: EpisodeRecord) -> None:
+            finished[record.id] = record
+            if on_finished is not None:
+                on_finished(record)
+
         def on_message() -> None:
             try:
                 while not done.done() and self.conn.poll():
-                    self._handle(self.conn.recv(), policy, answers, done, finished, on_finished)
+                    self._handle(self.conn.recv(), policy, answers, done, arrived)
             except (EOFError, OSError):
                 if not done.done():
                     self.process.join(timeout=1)
@@ -195,14 +200,10 @@ class _EnvProcess:
             for task in answers.values():
                 task.cancel()
         self.idle = True
-        missing = [e for e in ids if e not in finished]
-        if missing:  # the process's RolloutDriver reports every episode it was given: a broken protocol, not an env
-            raise EnvProcessError(f"env process {self.index} ended its share without the records of {missing}")
-        return [finished[e] for e in ids], spent
+        return [finished[e] for e in ids], spent  # its RolloutDriver reports every episode before the result
 
     def _handle(self, message: tuple, policy: Policy, answers: dict[int, asyncio.Task], done: asyncio.Future,
-                finished: dict[EpisodeId, EpisodeRecord], on_finished: Callable[[EpisodeRecord], None] | None
-                ) -> None:
+                arrived: Callable[[EpisodeRecord], None]) -> None:
         kind, *body = message
         if kind == "generate":
             key, prompt_ids, params = body
@@ -212,9 +213,7 @@ class _EnvProcess:
             if task is not None:
                 task.cancel()
         elif kind == "finished":
-            record = finished[body[0].id] = body[0]
-            if on_finished is not None:
-                on_finished(record)
+            arrived(body[0])
         elif kind == "result":
             done.set_result(body[0])
         elif kind == "error":
