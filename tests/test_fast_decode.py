@@ -28,8 +28,8 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
 from agents import compiling, fast_decode
 from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
                                 PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
-                                admission_waits, batch_buckets, bucket_for, decoder_layout, prefill_graph_key,
-                                prefill_groups, prefill_width, sample_tokens, stand_in)
+                                admission_waits, batch_buckets, bucket_for, decoder_layout, lone_prefill_keys,
+                                prefill_graph_key, prefill_groups, prefill_width, sample_tokens, stand_in)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -856,6 +856,18 @@ def test_small_prefill_passes_get_a_graph_key_of_few_widths(rows, longest, cap):
     assert graph_width == cap or (graph_width & (graph_width - 1) == 0 and graph_width >= PREFILL_WIDTH_STEP)
 
 
+@given(longest=st.integers(1, 5000), cap=st.integers(2, 5000))
+def test_every_lone_rows_prefill_pass_has_a_key_captured_up_front(longest, cap):
+    """`lone_prefill_keys` (captured when the cache is allocated) holds the graph key of a one-row pass of any
+    prompt the cache takes, once each."""
+    assume(longest <= cap)
+    keys = lone_prefill_keys(cap)
+    assert len(set(keys)) == len(keys) and all(rows == 1 for rows, _ in keys)
+    key = prefill_graph_key(1, prefill_width(longest, cap), cap)
+    assert key is None or key in keys
+    assert (key is None) == (prefill_width(longest, cap) > PREFILL_GRAPH_TOKENS)
+
+
 def prefill_outputs(model, prompts, slots, cuda_graphs: bool = False, engine: SlotEngine | None = None):
     """Greedy prefill of `prompts` into `slots` of an engine (8 slots of 160 positions); returns the engine, the
     tokens and logprobs, and each row's K/V (every layer) over its prompt."""
@@ -888,6 +900,27 @@ def test_the_width_a_prefill_pass_is_padded_to_changes_no_rows_outputs(model, st
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA (MT_ENV_TEST_DEVICE=cuda)")
+def test_a_lone_rows_prefill_pass_replays_a_graph_captured_with_the_cache_and_gives_the_uncaptured_pass():
+    """With the cache, the one-row passes of every width are captured (their K/V written to slot 0, which no row
+    holds); a lone row's pass then replays its graph at once, whatever its slot (0 included) and length, and gives
+    the tokens, logprobs and K/V of an engine without graphs."""
+    model = tiny_model(seed=6)
+    engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=160, vocab_size=VOCAB,
+                        cuda_graphs=True)
+    engine.allocate()
+    lone = len(lone_prefill_keys(160))
+    assert engine.stats["prefill_graph_captures"] == lone == 5  # widths 16, 32, 64, 128 and the whole cache
+    reference = None
+    for n, slot in [(3, 0), (37, 4), (150, 7), (20, 0)]:
+        prompt = [[(7 * j + n) % VOCAB for j in range(n)]]
+        got = prefill_outputs(model, prompt, [slot], engine=engine)
+        expected = prefill_outputs(model, prompt, [slot], engine=reference)
+        reference = expected[0]
+        assert_same_prefill(got, expected)
+    assert engine.stats["prefill_graph_captures"] == lone and engine.stats["prefill_graph_replays"] == 4
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA (MT_ENV_TEST_DEVICE=cuda)")
 def test_small_prefill_passes_replay_a_graph_that_gives_what_the_uncaptured_pass_gives():
     """A pass of a few rows is captured on its CAPTURE_ON_USE-th use and replayed from then on; every pass gives the
     tokens, logprobs and K/V an engine without graphs gives — with other prompts of the same (rows, width) key,
@@ -910,5 +943,6 @@ def test_small_prefill_passes_replay_a_graph_that_gives_what_the_uncaptured_pass
         reference = expected[0]
         assert_same_prefill(got, expected)
     stats = engine.stats
-    assert stats["prefill_graph_captures"] == 2 and stats["module_reallocations"] == 1
+    lone = len(lone_prefill_keys(engine.max_cache_len))  # captured when the cache was allocated
+    assert stats["prefill_graph_captures"] == 2 + lone and stats["module_reallocations"] == 1
     assert stats["prefill_graph_replays"] == 4  # the uses from the CAPTURE_ON_USE-th on
