@@ -505,6 +505,12 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     return groups
 
 
+def one_prefill_pass_takes(rows: int, longest: int, max_cache_len: int) -> bool:
+    """Whether one prefill pass takes all of `rows` prompts whose longest has `longest` tokens (`next_prefill_group`
+    then takes them all: its groups pad to the longest, within `PREFILL_TOKENS`)."""
+    return rows * prefill_width(longest, max_cache_len) <= PREFILL_TOKENS
+
+
 def next_prefill_group(prompt_lengths: Sequence[int], max_cache_len: int) -> list[int]:
     """Indices of the prompts the next prefill pass takes: the first of `prefill_groups` over the widths the passes
     pad them to (`prefill_width`), within `PREFILL_TOKENS`."""

@@ -7,7 +7,8 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
 * A background thread owns the forward passes. `generate` puts a request on a thread-safe queue and awaits a
   future, so the asyncio event loop never blocks on the model.
 * When idle, the worker takes the first request and gathers more until none arrived for `gather_window_s` (at
-  most 25 windows, or until `max_batch_size`): requests that trickle in share one prefill.
+  most 25 windows, or until `max_batch_size`; on the fast path, until they fill more than one prefill pass):
+  requests that trickle in share one prefill.
 * **Prefill** builds each new row's KV cache and samples its first token; **decode** steps then produce one token
   per row and step. Each row samples with its own `SamplingParams` and its own seeded ``random.Random``, whose
   uniform numbers drive inverse-CDF sampling on the device for the whole batch at once
@@ -90,7 +91,7 @@ from mt_env.turn import ModelTurn
 
 from .fast_decode import (DEFAULT_MAX_CACHE_LEN, ENGINE_COUNTERS, SAMPLING_MODES, LaunchedStep, RowSampling,
                           SlotEngine, SlotTable, UnsupportedModel, admission_waits, decoder_layout, module_device,
-                          next_prefill_group, sample_tokens, sampling_mode)
+                          next_prefill_group, one_prefill_pass_takes, sample_tokens, sampling_mode)
 from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
@@ -555,16 +556,19 @@ class HFPolicy(Policy):
 
     def _gather(self) -> bool:
         """With a first request waiting (`_gathers`): take more until none arrived for `gather_window_s`, the batch
-        is full, or `GATHER_CAP_WINDOWS` windows passed. Requests that trickle in (episodes whose turns ended
-        together, processed one after another by the caller) then share one prefill. The window is a real wait on
-        the queue: time spent waiting for the GIL (a busy caller) never counts as quiet."""
+        is full, `GATHER_CAP_WINDOWS` windows passed, or (fast path) the waiting fill more than one prefill pass.
+        Requests that trickle in (episodes whose turns ended together, processed one after another by the caller)
+        then share one prefill, and a full pass goes as soon as it is full: the rest of a burst arrives while it
+        runs. The window is a real wait on the queue: time spent waiting for the GIL (a busy caller) never counts as
+        quiet."""
         deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
         room = self._slots.free_count() if self._slots is not None else self.max_batch_size  # all that can join
-        while len(self._waiting) < room:
+        overflows = self._overflows_a_pass()
+        while len(self._waiting) < room and not overflows():
             if self._drain():
                 return True
             timeout = min(self.gather_window_s, deadline - time.perf_counter())
-            if len(self._waiting) >= room or timeout <= 0:
+            if len(self._waiting) >= room or timeout <= 0 or overflows():
                 return False
             try:
                 item = self._queue.get(timeout=timeout)
@@ -573,6 +577,21 @@ class HFPolicy(Policy):
             if self._accept(item):
                 return True
         return False
+
+    def _overflows_a_pass(self) -> Callable[[], bool]:
+        """For `_gather` (where `_waiting` only grows): whether the waiting need more than one prefill pass (fast
+        path; `fast_decode.one_prefill_pass_takes`). Each call looks only at the requests that arrived since the
+        last."""
+        if self._engine is None:
+            return lambda: False
+        seen, longest = 0, 0
+
+        def overflows() -> bool:
+            nonlocal seen, longest
+            longest = max([longest] + [len(r.prompt) for r in self._waiting[seen:]])
+            seen = len(self._waiting)
+            return not one_prefill_pass_takes(seen, longest, self._engine.max_cache_len)
+        return overflows
 
     def _drain(self) -> bool:
         """Take everything queued now, without waiting. True when close() asks to stop."""

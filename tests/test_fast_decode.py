@@ -29,7 +29,8 @@ from agents import compiling, fast_decode
 from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
                                 PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
                                 admission_waits, batch_buckets, bucket_for, decoder_layout, lone_prefill_keys,
-                                prefill_graph_key, prefill_groups, prefill_width, sample_tokens, stand_in)
+                                next_prefill_group, one_prefill_pass_takes, prefill_graph_key, prefill_groups,
+                                prefill_width, sample_tokens, stand_in)
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -193,6 +194,41 @@ def test_arrivals_during_a_prefill_pass_join_the_requests_still_waiting_for_one(
     together = run(main())
     assert passes == [4, 4, 4]
     assert_same(together, each_alone(model, prompts, params))
+
+
+def test_a_gather_ends_once_the_waiting_need_more_than_one_prefill_pass(model, monkeypatch):
+    """Five requests arrive at an idle worker, where a pass takes four (the budget) and the gather window is a
+    minute: the first pass goes at once with four (waiting for more would only delay it), not after a quiet
+    window. Each row's tokens are those it gets alone."""
+    monkeypatch.setattr(fast_decode, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
+    started, passes = threading.Event(), []
+    prefill = SlotEngine.prefill
+
+    def recorded(engine, slots, prompts, sampling):
+        passes.append(len(prompts))
+        started.set()
+        return prefill(engine, slots, prompts, sampling)
+
+    monkeypatch.setattr(SlotEngine, "prefill", recorded)
+    params = [SamplingParams(temperature=0.9, max_new_tokens=6, seed=i) for i in range(5)]
+    prompts = [[(3 * i + j) % VOCAB for j in range(9 + i)] for i in range(5)]  # one width: 16
+
+    async def main():
+        async with HFPolicy(model, max_batch_size=16, gather_window_s=60, **FAST) as policy:
+            tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts, params)]
+            assert await asyncio.to_thread(started.wait, 30), "no prefill pass within 30 s: the gather went on"
+            return await asyncio.gather(*tasks)
+
+    together = run(main())
+    assert passes == [4, 1]
+    assert_same(together, each_alone(model, prompts, params))
+
+
+@given(lengths=st.lists(st.integers(1, 3000), min_size=1, max_size=300), cap=st.integers(16, 4096))
+def test_one_prefill_pass_takes_the_prompts_exactly_when_the_next_group_is_all_of_them(lengths, cap):
+    lengths = [min(n, cap) for n in lengths]
+    assert one_prefill_pass_takes(len(lengths), max(lengths), cap) == (
+        len(next_prefill_group(lengths, cap)) == len(lengths))
 
 
 def test_arrivals_that_outnumber_the_decoding_rows_are_gathered_into_one_prefill(model):
