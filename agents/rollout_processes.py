@@ -6,7 +6,8 @@ thread: while the event loop steps hundreds of envs, the engine waits to launch 
 work at a turn boundary (when many turns end together) is done one after another. `ProcessRolloutDriver` splits the
 episodes over `processes` env processes, each running a `RolloutDriver` over its share with the envs it owns; their
 policy is a `RemotePolicy` that sends each turn's context ids here, where the real policy (e.g. `HFPolicy`, which
-needs the trainer's module) generates and the ModelTurn goes back. This process then only forwards token ids.
+needs the trainer's module) generates and the ModelTurn goes back (with the others settled at the same moment, e.g.
+a turn boundary's, in one message). This process then only forwards token ids.
 
 What stays the same as one `RolloutDriver` with the same seed: every episode's seed, sampling seeds, records,
 samples and metrics (the engine's tokens depend only on each request's own seed), the failure rules (an episode
@@ -158,6 +159,7 @@ class _EnvProcess:
         # This side never blocks on a write: a writer thread sends, so the event loop always goes on reading the
         # process's messages — with both sides blocked in a write to a full pipe, neither would read again.
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies: list[tuple] = []  #: answers to send at the end of this pass of the event loop (`_reply`)
         self._writer = threading.Thread(target=self._write, name=f"mt_env-envs-{index}-writer", daemon=True)
         self._writer.start()
 
@@ -191,6 +193,7 @@ class _EnvProcess:
                         f"env process {self.index} died (exit code {self.process.exitcode})"))
 
         self.idle = False
+        self._replies = []  # any left are a cancelled generation's, from a loop that ended before sending them
         self._send(("play", tasks, ids, step, sampling))
         loop.add_reader(self.conn.fileno(), on_message)
         try:
@@ -224,11 +227,23 @@ class _EnvProcess:
         try:
             turn = await policy.generate(prompt_ids, params)
         except Exception as e:  # raised in the env process, where the in-process driver would have seen it
-            self._send(("failed", key, portable(e, EnvProcessError)))
+            self._reply(("failed", key, portable(e, EnvProcessError)))
         else:
-            self._send(("turn", key, turn))
+            self._reply(("turn", key, turn))
         finally:
             answers.pop(key, None)
+
+    def _reply(self, answer: tuple) -> None:
+        """Send an answer with the others settled in this pass of the event loop, in one message: an engine settles
+        the turns that end at one step together (a turn boundary: a share's whole batch), and one message for
+        them is one pickling, one wake-up of the writer thread and one read there, not one of each per turn."""
+        if not self._replies:
+            asyncio.get_running_loop().call_soon(self._send_replies)
+        self._replies.append(answer)
+
+    def _send_replies(self) -> None:
+        replies, self._replies = self._replies, []
+        self._send(("answers", replies))
 
     def _send(self, message: tuple) -> None:
         self.send_bytes(pickle.dumps(message))
@@ -283,16 +298,17 @@ class RemotePolicy(Policy):
             self._pending.pop(key, None)
 
     def on_message(self) -> None:
-        """The driver's process answered: settle the generations it answered."""
+        """The driver's process answered (a message of answers: `_EnvProcess._reply`): settle those generations."""
         while self.conn.poll():
-            kind, key, value = self.conn.recv()
-            future = self._pending.get(key)
-            if future is None or future.done():
-                continue  # cancelled meanwhile
-            if kind == "turn":
-                future.set_result(value)
-            else:
-                future.set_exception(value)
+            _, answers = self.conn.recv()
+            for kind, key, value in answers:
+                future = self._pending.get(key)
+                if future is None or future.done():
+                    continue  # cancelled meanwhile
+                if kind == "turn":
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
 
 
 def _env_process_main(conn) -> None:
@@ -315,6 +331,8 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "close":
                 return
+            if message[0] == "answers":  # late: to generations of the last share that it cancelled
+                continue
             _, tasks, ids, step, sampling = message
             try:
                 spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling))

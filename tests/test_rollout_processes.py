@@ -17,7 +17,7 @@ import pytest
 from agents.hf_policy import HFPolicy
 from agents.policy import Policy, PolicyError, SamplingParams
 from agents.rollout import EpisodeState, RolloutDriver, episode_ids
-from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver
+from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver, _EnvProcess
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 
@@ -32,21 +32,26 @@ TIMEOUT_S = 1.0
 
 class Expert(Policy):
     """The driver's process's policy: the scripted calculator expert, with `latency(operands)` seconds per
-    generation; raises PolicyError on the operands `dies_on`. Logs each generation's end (``done``/``cancelled``
-    with its operands) and counts those in flight."""
+    generation; raises PolicyError on the operands `dies_on`; with `together` n, generations wait until n are in
+    flight, then all go on in one pass of the event loop (as an engine settles a turn boundary). Logs each
+    generation's end (``done``/``cancelled`` with its operands) and counts those in flight."""
 
     def __init__(self, fmt):  # noqa: F811
         self.fmt = fmt
         self.scripted = ScriptedPolicy(expert(fmt))
         self.latency = lambda operands: 0.0
         self.dies_on = None
+        self.together = 0
         self.in_flight = 0
         self.log: list[tuple[str, list[int]]] = []
+        self._gate: asyncio.Event | None = None
 
     async def generate(self, prompt_ids, params=None):
         operands = operands_of(self.fmt, prompt_ids)
         self.in_flight += 1
         try:
+            if self.together:
+                await self._all_in_flight()
             await asyncio.sleep(self.latency(operands))
             if operands == self.dies_on:
                 raise PolicyError("the engine died")
@@ -58,6 +63,13 @@ class Expert(Policy):
             self.in_flight -= 1
         self.log.append(("done", operands))
         return turn
+
+    async def _all_in_flight(self) -> None:
+        gate = self._gate = self._gate or asyncio.Event()
+        if self.in_flight % self.together == 0:
+            self._gate = None
+            gate.set()
+        await gate.wait()
 
 
 TIMING_FIELDS = {"finished_at", "generation_s", "tool_s"}
@@ -89,7 +101,7 @@ def shared(qwen25, fmt):  # noqa: F811  (fixtures imported from test_rollout)
 def expert_driver(shared):
     """The shared driver, its policy reset to answer at once."""
     driver, policy = shared
-    policy.latency, policy.dies_on = (lambda operands: 0.0), None
+    policy.latency, policy.dies_on, policy.together = (lambda operands: 0.0), None, 0
     policy.log.clear()
     return driver, policy
 
@@ -149,6 +161,25 @@ def test_each_record_reaches_the_drivers_process_whole_as_its_episode_ends(exper
     assert len(early) == 2 and all(in_flight > 0 for _, in_flight in early)  # the slow ones were still generating
     assert all(r.samples and r.messages and r.state == EpisodeState.COMPLETED for r, _ in arrived)
     assert sorted(map(id, records)) == sorted(id(r) for r, _ in arrived) and [r.id for r in records] == ids
+
+
+def test_the_answers_settled_together_go_to_an_env_process_in_one_message(expert_driver, monkeypatch):
+    """Four episodes of two turns over two processes; the engine settles each turn's four generations together:
+    each process gets one message with its two answers a turn, not a message per answer."""
+    driver, policy = expert_driver
+    policy.together = 4
+    sent = []
+    send = _EnvProcess._send
+
+    def recorded(process, message):
+        sent.append((process.index, message[0], len(message[1]) if message[0] == "answers" else None))
+        send(process, message)
+
+    monkeypatch.setattr(_EnvProcess, "_send", recorded)
+    result = driver.run(tasks_for([12, 34], [56, 78]), n=2)
+    assert [r.turns for r in result.episodes] == [2] * 4
+    answers = [(index, count) for index, kind, count in sent if kind != "play"]
+    assert sorted(answers) == [(0, 2), (0, 2), (1, 2), (1, 2)]
 
 
 # --------------------------------------------------------------------------------------------- failures
