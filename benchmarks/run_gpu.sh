@@ -42,7 +42,7 @@ single_gpu1() {
 case "${1:-}" in
   rollout1)
     timeout 400 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 512 \
-      --new-tokens 128 --env-processes 4 --repeats 3 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1
+      --new-tokens 128 --env-processes 4 --repeats 5 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1
     echo "bench_rollout rc=$?"; grep -v "Warn\|warn" "$OUT/rollout.txt" | tail -24
     MT_ENV_TEST_DEVICE=cuda timeout 170 python3 -m pytest tests/test_fast_decode.py tests/test_policy_hf.py \
       -q -x -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1; echo "cuda tests rc=$?"  # the trainer's: step1
