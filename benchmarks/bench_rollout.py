@@ -183,7 +183,12 @@ def measure(driver, policy: HFPolicy, tasks: list[dict], args, step: int) -> tup
                driver_tok_s=driver_tok_s[median], engine_tok_s=engine_tok_s[median], driver_vs_engine=ratios[median],
                driver_wall_s=figures["driver_wall_s"], engine_wall_s=figures["engine_wall_s"],
                generation_s=figures["time/generation_s"], tools_s=figures["time/tools_s"],
-               bookkeeping_s=figures["time/bookkeeping_s"], driver_vs_engine_runs=ratios, end_reasons=dict(ends),
+               bookkeeping_s=figures["time/bookkeeping_s"], driver_vs_engine_runs=ratios,
+               # per run: whether a turn ended early (fewer tokens) decides the driver's extra prefill passes
+               tokens_runs=[s["tokens"] for s in splits],
+               prefill_passes_runs=[[s[f"{side}_passes"]["prefill_passes"] for side in ("driver", "engine")]
+                                    for s in splits],
+               end_reasons=dict(ends),
                driver_passes=figures["driver_passes"], engine_passes=figures["engine_passes"])
     return row, figures["work"]
 
@@ -209,6 +214,8 @@ def print_row(row: dict) -> None:
     print(f"{row['batch']:>5} {row['generated_tokens']:>7} {row['driver_tok_s']:>12,.0f} {row['engine_tok_s']:>11,.0f} "
           f"{static} {row['driver_vs_engine']:>9.3f}   {row['generation_s']:>12.2f} {row['tools_s']:>8.3f} "
           f"{row['bookkeeping_s']:>13.3f}")
+    print("      runs: " + ", ".join(f"{ratio:.3f} ({tokens} tokens, prefill passes {d} / {e})" for ratio, tokens, (d, e)
+                                  in zip(row["driver_vs_engine_runs"], row["tokens_runs"], row["prefill_passes_runs"])))
     for name in ("driver", "engine"):
         p = row[f"{name}_passes"]
         steps = max(1, p["decode_passes"])
