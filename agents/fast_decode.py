@@ -507,8 +507,8 @@ def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
 
 def one_prefill_pass_takes(rows: int, longest: int, max_cache_len: int) -> bool:
     """Whether one prefill pass takes all of `rows` prompts whose longest has `longest` tokens (`next_prefill_group`
-    then takes them all: its groups pad to the longest, within `PREFILL_TOKENS`)."""
-    return rows * prefill_width(longest, max_cache_len) <= PREFILL_TOKENS
+    then takes them all: its groups pad to the longest, within `PREFILL_TOKENS`; a longer prompt goes alone)."""
+    return rows <= 1 or rows * prefill_width(longest, max_cache_len) <= PREFILL_TOKENS
 
 
 def next_prefill_group(prompt_lengths: Sequence[int], max_cache_len: int) -> list[int]:

@@ -7,7 +7,7 @@ How requests are batched (iteration-level batching, as in Orca and vLLM):
 * A background thread owns the forward passes. `generate` puts a request on a thread-safe queue and awaits a
   future, so the asyncio event loop never blocks on the model.
 * When idle, the worker takes the first request and gathers more until none arrived for `gather_window_s` (at
-  most 25 windows, or until `max_batch_size`; on the fast path, until they fill more than one prefill pass):
+  most 25 windows, or until `max_batch_size`; on the fast path, until they fill a prefill pass):
   requests that trickle in share one prefill.
 * **Prefill** builds each new row's KV cache and samples its first token; **decode** steps then produce one token
   per row and step. Each row samples with its own `SamplingParams` and its own seeded ``random.Random``, whose
@@ -556,19 +556,19 @@ class HFPolicy(Policy):
 
     def _gather(self) -> bool:
         """With a first request waiting (`_gathers`): take more until none arrived for `gather_window_s`, the batch
-        is full, `GATHER_CAP_WINDOWS` windows passed, or (fast path) the waiting fill more than one prefill pass.
+        is full, `GATHER_CAP_WINDOWS` windows passed, or (fast path) the waiting fill the next prefill pass.
         Requests that trickle in (episodes whose turns ended together, processed one after another by the caller)
         then share one prefill, and a full pass goes as soon as it is full: the rest of a burst arrives while it
         runs. The window is a real wait on the queue: time spent waiting for the GIL (a busy caller) never counts as
         quiet."""
         deadline = time.perf_counter() + self.gather_window_s * GATHER_CAP_WINDOWS
         room = self._slots.free_count() if self._slots is not None else self.max_batch_size  # all that can join
-        overflows = self._overflows_a_pass()
-        while len(self._waiting) < room and not overflows():
+        full = self._fills_a_pass()
+        while len(self._waiting) < room and not full():
             if self._drain():
                 return True
             timeout = min(self.gather_window_s, deadline - time.perf_counter())
-            if len(self._waiting) >= room or timeout <= 0 or overflows():
+            if len(self._waiting) >= room or timeout <= 0 or full():
                 return False
             try:
                 item = self._queue.get(timeout=timeout)
@@ -578,20 +578,20 @@ class HFPolicy(Policy):
                 return True
         return False
 
-    def _overflows_a_pass(self) -> Callable[[], bool]:
-        """For `_gather` (where `_waiting` only grows): whether the waiting need more than one prefill pass (fast
-        path; `fast_decode.one_prefill_pass_takes`). Each call looks only at the requests that arrived since the
-        last."""
+    def _fills_a_pass(self) -> Callable[[], bool]:
+        """For `_gather` (where `_waiting` only grows): whether the waiting fill the next prefill pass, so that no
+        request arriving later could join it (fast path; `fast_decode.one_prefill_pass_takes`: a pass pads its rows
+        to the longest). Each call looks only at the requests that arrived since the last."""
         if self._engine is None:
             return lambda: False
         seen, longest = 0, 0
 
-        def overflows() -> bool:
+        def full() -> bool:
             nonlocal seen, longest
             longest = max([longest] + [len(r.prompt) for r in self._waiting[seen:]])
             seen = len(self._waiting)
-            return not one_prefill_pass_takes(seen, longest, self._engine.max_cache_len)
-        return overflows
+            return not one_prefill_pass_takes(seen + 1, longest, self._engine.max_cache_len)
+        return full
 
     def _drain(self) -> bool:
         """Take everything queued now, without waiting. True when close() asks to stop."""
