@@ -701,11 +701,14 @@ class SlotEngine:
         for key in lone_prefill_keys(self.max_cache_len):
             if key in self._prefill_graphs or not self._capturing(device):
                 continue
-            self._uses[key] = max(self._uses.get(key, 0), CAPTURE_ON_USE)  # dropped graphs: captured again at once
             rows, width = key
-            self._capture_prefill(key, torch.zeros(rows, width, dtype=torch.long, device=device),
-                                  torch.full((rows,), width, dtype=torch.long, device=device),
-                                  torch.zeros(rows, dtype=torch.long, device=device))
+            try:
+                self._capture_prefill(key, torch.zeros(rows, width, dtype=torch.long, device=device),
+                                      torch.full((rows,), width, dtype=torch.long, device=device),
+                                      torch.zeros(rows, dtype=torch.long, device=device))
+            except Exception:  # its warm-up failed (e.g. out of memory): that width waits for its own uses
+                continue
+            self._uses[key] = max(self._uses.get(key, 0), CAPTURE_ON_USE)  # dropped graphs: captured again at once
 
     def release(self) -> None:
         """Drop the KV cache, buffers and graphs (they come back on the next prefill, or `allocate`)."""

@@ -435,7 +435,13 @@ class HFPolicy(Policy):
 
     async def resume_memory(self) -> None:
         """Allocate the fast path's KV cache now rather than at the next generation."""
-        await self._in_worker(self._engine.allocate if self._engine is not None else lambda: None)
+        await self._in_worker(self._allocate)
+
+    def _allocate(self) -> None:
+        """The fast path's cache, as a pass (`_pass`): on CUDA its allocation runs and captures forward passes."""
+        if self._engine is not None:
+            with self._pass():
+                self._engine.allocate()
 
     @property
     def compile_reason(self) -> str:
