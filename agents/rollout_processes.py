@@ -193,7 +193,7 @@ class _EnvProcess:
                         f"env process {self.index} died (exit code {self.process.exitcode})"))
 
         self.idle = False
-        self._replies = []  # any left are a cancelled generation's, from a loop that ended before sending them
+        self._replies = []  # any left are from an event loop that ended before it sent them (their share is over)
         self._send(("play", tasks, ids, step, sampling))
         loop.add_reader(self.conn.fileno(), on_message)
         try:
@@ -331,7 +331,7 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "close":
                 return
-            if message[0] == "answers":  # late: to generations of the last share that it cancelled
+            if message[0] == "answers":  # late: answered here before the last share's cancel reached the driver
                 continue
             _, tasks, ids, step, sampling = message
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import pickle
 import threading
 
 import pytest
@@ -32,26 +33,21 @@ TIMEOUT_S = 1.0
 
 class Expert(Policy):
     """The driver's process's policy: the scripted calculator expert, with `latency(operands)` seconds per
-    generation; raises PolicyError on the operands `dies_on`; with `together` n, generations wait until n are in
-    flight, then all go on in one pass of the event loop (as an engine settles a turn boundary). Logs each
-    generation's end (``done``/``cancelled`` with its operands) and counts those in flight."""
+    generation; raises PolicyError on the operands `dies_on`. Logs each generation's end (``done``/``cancelled``
+    with its operands) and counts those in flight."""
 
     def __init__(self, fmt):  # noqa: F811
         self.fmt = fmt
         self.scripted = ScriptedPolicy(expert(fmt))
         self.latency = lambda operands: 0.0
         self.dies_on = None
-        self.together = 0
         self.in_flight = 0
         self.log: list[tuple[str, list[int]]] = []
-        self._gate: asyncio.Event | None = None
 
     async def generate(self, prompt_ids, params=None):
         operands = operands_of(self.fmt, prompt_ids)
         self.in_flight += 1
         try:
-            if self.together:
-                await self._all_in_flight()
             await asyncio.sleep(self.latency(operands))
             if operands == self.dies_on:
                 raise PolicyError("the engine died")
@@ -63,13 +59,6 @@ class Expert(Policy):
             self.in_flight -= 1
         self.log.append(("done", operands))
         return turn
-
-    async def _all_in_flight(self) -> None:
-        gate = self._gate = self._gate or asyncio.Event()
-        if self.in_flight % self.together == 0:
-            self._gate = None
-            gate.set()
-        await gate.wait()
 
 
 TIMING_FIELDS = {"finished_at", "generation_s", "tool_s"}
@@ -101,7 +90,7 @@ def shared(qwen25, fmt):  # noqa: F811  (fixtures imported from test_rollout)
 def expert_driver(shared):
     """The shared driver, its policy reset to answer at once."""
     driver, policy = shared
-    policy.latency, policy.dies_on, policy.together = (lambda operands: 0.0), None, 0
+    policy.latency, policy.dies_on = (lambda operands: 0.0), None
     policy.log.clear()
     return driver, policy
 
@@ -163,19 +152,53 @@ def test_each_record_reaches_the_drivers_process_whole_as_its_episode_ends(exper
     assert sorted(map(id, records)) == sorted(id(r) for r, _ in arrived) and [r.id for r in records] == ids
 
 
-def test_the_answers_settled_together_go_to_an_env_process_in_one_message(expert_driver, monkeypatch):
+class Together(Policy):
+    """The scripted expert, whose generations wait in rounds: the k-th round goes on once `rounds[k]` wait, all in
+    one pass of the event loop (as an engine settles a turn boundary); after the last round, each at once."""
+
+    def __init__(self, fmt):  # noqa: F811
+        self.fmt = fmt
+        self.scripted = ScriptedPolicy(expert(fmt))
+        self.rounds: list[int] = []
+        self._gate: asyncio.Event | None = None
+        self._waiting = 0
+
+    async def generate(self, prompt_ids, params=None):
+        if self.rounds:
+            gate = self._gate = self._gate or asyncio.Event()
+            self._waiting += 1
+            if self._waiting == self.rounds[0]:
+                self.rounds, self._gate, self._waiting = self.rounds[1:], None, 0
+                gate.set()
+            await gate.wait()
+        return await self.scripted.generate(prompt_ids, params)
+
+
+@pytest.fixture(scope="module")
+def gated(qwen25, fmt):  # noqa: F811
+    """A driver of 2 env processes over a `Together` policy, with a generation timeout no wait here reaches."""
+    policy = Together(fmt)
+    driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, processes=2,
+                                  generation_timeout_s=120)
+    yield driver, policy
+    driver.close()
+
+
+def test_the_answers_settled_together_go_to_an_env_process_in_one_message(gated, monkeypatch):
     """Four episodes of two turns over two processes; the engine settles each turn's four generations together:
     each process gets one message with its two answers a turn, not a message per answer."""
-    driver, policy = expert_driver
-    policy.together = 4
+    driver, policy = gated
+    policy.rounds = [4, 4]
     sent = []
-    send = _EnvProcess._send
+    send = _EnvProcess.send_bytes
 
-    def recorded(process, message):
-        sent.append((process.index, message[0], len(message[1]) if message[0] == "answers" else None))
-        send(process, message)
+    def recorded(process, data):
+        message = pickle.loads(data)  # a tuple, or the driver's spec for a new process
+        if isinstance(message, tuple):
+            sent.append((process.index, message[0], len(message[1]) if message[0] == "answers" else None))
+        send(process, data)
 
-    monkeypatch.setattr(_EnvProcess, "_send", recorded)
+    monkeypatch.setattr(_EnvProcess, "send_bytes", recorded)
     result = driver.run(tasks_for([12, 34], [56, 78]), n=2)
     assert [r.turns for r in result.episodes] == [2] * 4
     answers = [(index, count) for index, kind, count in sent if kind != "play"]
