@@ -242,8 +242,15 @@ class _EnvProcess:
         self._replies.append(answer)
 
     def _send_replies(self) -> None:
+        """Send the answers `_reply` gathered. One that cannot be pickled (e.g. a policy's ModelTurn whose `meta`
+        holds a handle) goes as that generation's failure, so that it costs neither the others nor a wait for the
+        env process's timeout."""
         replies, self._replies = self._replies, []
-        self._send(("answers", replies))
+        try:
+            data = pickle.dumps(("answers", replies))
+        except Exception:
+            data = pickle.dumps(("answers", [_sendable(answer) for answer in replies]))
+        self.send_bytes(data)
 
     def _send(self, message: tuple) -> None:
         self.send_bytes(pickle.dumps(message))
@@ -274,6 +281,17 @@ class _EnvProcess:
         if wait:
             self._writer.join(timeout=5)  # a write to a process gone fails at once
         self.conn.close()
+
+
+def _sendable(answer: tuple) -> tuple:
+    """`answer`, or when it cannot be pickled, the failure of its generation saying why."""
+    try:
+        pickle.dumps(answer)
+    except Exception as e:
+        kind, key, _ = answer
+        return "failed", key, EnvProcessError(f"the policy's {'answer' if kind == 'turn' else 'error'} could not be "
+                                              f"sent to the env process: {type(e).__name__}: {e}")
+    return answer
 
 
 class RemotePolicy(Policy):

@@ -154,12 +154,14 @@ def test_each_record_reaches_the_drivers_process_whole_as_its_episode_ends(exper
 
 class Together(Policy):
     """The scripted expert, whose generations wait in rounds: the k-th round goes on once `rounds[k]` wait, all in
-    one pass of the event loop (as an engine settles a turn boundary); after the last round, each at once."""
+    one pass of the event loop (as an engine settles a turn boundary); after the last round, each at once. A turn
+    for the operands `unpicklable` carries a lock in its meta."""
 
     def __init__(self, fmt):  # noqa: F811
         self.fmt = fmt
         self.scripted = ScriptedPolicy(expert(fmt))
         self.rounds: list[int] = []
+        self.unpicklable = None
         self._gate: asyncio.Event | None = None
         self._waiting = 0
 
@@ -171,7 +173,10 @@ class Together(Policy):
                 self.rounds, self._gate, self._waiting = self.rounds[1:], None, 0
                 gate.set()
             await gate.wait()
-        return await self.scripted.generate(prompt_ids, params)
+        turn = await self.scripted.generate(prompt_ids, params)
+        if operands_of(self.fmt, prompt_ids) == self.unpicklable:
+            turn.meta["lock"] = threading.Lock()
+        return turn
 
 
 @pytest.fixture(scope="module")
@@ -188,7 +193,7 @@ def test_the_answers_settled_together_go_to_an_env_process_in_one_message(gated,
     """Four episodes of two turns over two processes; the engine settles each turn's four generations together:
     each process gets one message with its two answers a turn, not a message per answer."""
     driver, policy = gated
-    policy.rounds = [4, 4]
+    policy.rounds, policy.unpicklable = [4, 4], None
     sent = []
     send = _EnvProcess.send_bytes
 
@@ -203,6 +208,20 @@ def test_the_answers_settled_together_go_to_an_env_process_in_one_message(gated,
     assert [r.turns for r in result.episodes] == [2] * 4
     answers = [(index, count) for index, kind, count in sent if kind != "play"]
     assert sorted(answers) == [(0, 2), (0, 2), (1, 2), (1, 2)]
+
+
+def test_an_answer_that_cannot_be_sent_fails_its_episode_alone(gated):
+    """One of the two answers of each process's message holds a lock (unpicklable): that generation fails with the
+    reason, at once; the other answer in the message reaches its episode, which completes."""
+    driver, policy = gated
+    policy.rounds, policy.unpicklable = [4], [12, 34]
+    result = driver.run(tasks_for([12, 34], [56, 78]), n=2)
+    for record in result.episodes:
+        if record.id.group == 0:
+            assert record.state == EpisodeState.FAILED
+            assert "could not be sent to the env process" in record.error and "pickle" in record.error
+        else:
+            assert record.state == EpisodeState.COMPLETED and record.turns == 2
 
 
 # --------------------------------------------------------------------------------------------- failures
