@@ -27,7 +27,7 @@ optimizer step the next token sees the new weights) through its own layer loop:
   straight into the rows' slots, the LM head only at each row's last real position. A small pass (at most
   `PREFILL_GRAPH_ROWS` rows, e.g. an episode whose turn ended early, while the batch decodes) replays a CUDA graph
   of its (rows, width rounded up to a power of two), captured on its `CAPTURE_ON_USE`-th use (a lone row's, at
-  every width, when the cache is allocated: `SlotEngine.capture_lone_prefills`): launched op by op, such a pass
+  every width, when the cache is allocated: `SlotEngine._capture_lone_prefills`): launched op by op, such a pass
   costs several times its device time in host time, while every decoding row waits.
 * **Decode step** (`SlotEngine._decode`: `step_inputs`, `decode_layer` per layer, `head_logits`, then
   `sample_tokens`; run eagerly or captured): the new token's K/V are written in place at each row's own position;
@@ -482,14 +482,8 @@ def prefill_graph_key(rows: int, width: int, max_cache_len: int) -> tuple[int, i
 
 def lone_prefill_keys(max_cache_len: int) -> list[tuple[int, int]]:
     """The graph keys (`prefill_graph_key`) a prefill pass of one row can have, whatever its prompt's length."""
-    keys, width = [], PREFILL_WIDTH_STEP
-    while True:
-        key = prefill_graph_key(1, min(width, max_cache_len), max_cache_len)
-        if key is not None and key not in keys:
-            keys.append(key)
-        if width >= max_cache_len:
-            return keys
-        width *= 2
+    widths = (min(PREFILL_WIDTH_STEP << k, max_cache_len) for k in range(max_cache_len.bit_length()))
+    return sorted({prefill_graph_key(1, width, max_cache_len) for width in widths} - {None})
 
 
 def prefill_groups(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -671,7 +665,7 @@ class SlotEngine:
         if device.type == "cuda" and self._functions["decode_layer"] is not decode_layer:  # a compiled step
             self.warm_buckets()
         if self._capturing(device):
-            self.capture_lone_prefills()
+            self._capture_lone_prefills()
 
     @torch.no_grad()
     def warm_buckets(self) -> None:
@@ -688,15 +682,12 @@ class SlotEngine:
             self._run_decode(rows, length, "greedy")
 
     @torch.no_grad()
-    def capture_lone_prefills(self) -> None:
-        """Capture the prefill pass of one row at every graph width now (`lone_prefill_keys`; its K/V go to slot 0,
-        which no row holds yet). Why: a lone row's pass is the small pass that recurs — an episode whose turn ended
-        before the batch's gets one at each of its later turns, while every decoding row waits — and its capture on
-        a key's `CAPTURE_ON_USE`-th use (a synchronisation, two warm-up passes, the recording: ~50-100 ms on an
-        H200) fell inside rollouts, where the graph saves ~10-40 ms a pass."""
-        self.allocate()
-        if bool(self._state.live.any()):
-            raise RuntimeError("capture_lone_prefills runs before any row holds a slot")
+    def _capture_lone_prefills(self) -> None:
+        """Capture the prefill pass of one row at every graph width (`lone_prefill_keys`), as the cache is allocated
+        (its K/V go to slot 0, which no row holds yet). Why: a lone row's pass is the small pass that recurs — an
+        episode whose turn ended before the batch's gets one at each of its later turns, while every decoding row
+        waits — and its capture on a key's `CAPTURE_ON_USE`-th use (a synchronisation, two warm-up passes, the
+        recording: ~50-100 ms on an H200) fell inside rollouts, where the graph saves ~10-40 ms a pass."""
         device = self._state.live.device
         for key in lone_prefill_keys(self.max_cache_len):
             if key in self._prefill_graphs or not self._capturing(device):

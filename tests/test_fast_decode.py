@@ -163,22 +163,31 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
     assert stats["decode_passes"] < 59 + 16  # they decoded beside the long rows
 
 
+def passes_of_four_rows(monkeypatch, release: threading.Event | None = None) -> tuple[threading.Event, list[int]]:
+    """A prefill budget of four rows of width 16, and the rows of each pass recorded; the event returned is set at
+    the first pass, which then waits for `release` when given."""
+    monkeypatch.setattr(fast_decode, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
+    started, passes = threading.Event(), []
+    prefill = SlotEngine.prefill
+
+    def recorded(engine, slots, prompts, sampling):
+        passes.append(len(prompts))
+        if len(passes) == 1:
+            started.set()
+            if release is not None:
+                release.wait(30)
+        return prefill(engine, slots, prompts, sampling)
+
+    monkeypatch.setattr(SlotEngine, "prefill", recorded)
+    return started, passes
+
+
 def test_arrivals_during_a_prefill_pass_join_the_requests_still_waiting_for_one(model, monkeypatch):
     """A burst of six requests needs two passes of at most four rows (the budget); six more arrive during the first
     pass (a second env process's burst). They join the two still waiting: passes of 4, 4 and 4 rows, not 4, 2, 4
     and 2. Each row's tokens are those it gets alone."""
-    monkeypatch.setattr(fast_decode, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
-    started, release, passes = threading.Event(), threading.Event(), []
-    prefill = SlotEngine.prefill
-
-    def first_pass_waits(engine, slots, prompts, sampling):
-        passes.append(len(prompts))
-        if len(passes) == 1:
-            started.set()
-            release.wait(30)
-        return prefill(engine, slots, prompts, sampling)
-
-    monkeypatch.setattr(SlotEngine, "prefill", first_pass_waits)
+    release = threading.Event()
+    started, passes = passes_of_four_rows(monkeypatch, release)
     params = [SamplingParams(temperature=0.9, max_new_tokens=6, seed=i) for i in range(12)]
     prompts = [[(5 * i + j) % VOCAB for j in range(10 + i % 5)] for i in range(12)]  # one width: 16
 
@@ -200,16 +209,7 @@ def test_a_gather_ends_once_the_waiting_fill_a_prefill_pass(model, monkeypatch):
     """Four requests arrive at an idle worker, where a pass takes four (the budget) and the gather window is a
     minute: their pass goes at once (no later request could join it), not after a quiet window. Each row's tokens
     are those it gets alone."""
-    monkeypatch.setattr(fast_decode, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
-    started, passes = threading.Event(), []
-    prefill = SlotEngine.prefill
-
-    def recorded(engine, slots, prompts, sampling):
-        passes.append(len(prompts))
-        started.set()
-        return prefill(engine, slots, prompts, sampling)
-
-    monkeypatch.setattr(SlotEngine, "prefill", recorded)
+    started, passes = passes_of_four_rows(monkeypatch)
     params = [SamplingParams(temperature=0.9, max_new_tokens=6, seed=i) for i in range(4)]
     prompts = [[(3 * i + j) % VOCAB for j in range(9 + i)] for i in range(4)]  # one width: 16
 
