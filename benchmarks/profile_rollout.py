@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import agents.rollout_processes  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import (  # noqa: E402
@@ -45,6 +46,7 @@ GAP_S = 50e-6  # idle stretches shorter than this are launch jitter, not lost ti
 MARKS: list[tuple[float, float, str, str]] = []  #: (start, end) in perf_counter seconds, name, thread role
 DETAILS: list[tuple[float, float, str]] = []  #: (start, end, what) of the timeline's events
 ARRIVALS: list[float] = []  #: when the worker took each request
+LOOP_ARRIVALS: list[float] = []  #: when this process's event loop read each generation request of an env process
 
 
 @contextlib.contextmanager
@@ -103,8 +105,29 @@ class MarkedPolicy(HFPolicy):
             return super()._gather()
 
     def _collect(self, launched):
+        held, start = self._slots.held_count(), time.perf_counter()
         with mark("collect", "worker"):
-            return super()._collect(launched)
+            super()._collect(launched)
+        ended = held - self._slots.held_count()
+        if ended >= 8:  # a turn boundary (many turns ending at one step)
+            DETAILS.append((start, start, f"{ended} rows ended, {self._slots.held_count()} decoding"))
+
+
+class MarkedEnvProcess(agents.rollout_processes._EnvProcess):
+    """The driver's side of an env process, marking when this process's event loop reads each generation request
+    (before the worker takes it: the two differ by the event loop's own work and its waits for the GIL) and the
+    answers it sends."""
+
+    def _handle(self, message, *args):
+        if message[0] == "generate":
+            LOOP_ARRIVALS.append(time.perf_counter())
+        return super()._handle(message, *args)
+
+    def _send_replies(self):
+        count, start = len(self._replies), time.perf_counter()
+        super()._send_replies()
+        if count >= 8:
+            DETAILS.append((start, time.perf_counter(), f"{count} answers sent to an env process"))
 
 
 def _gc_timer():
@@ -124,7 +147,7 @@ def _gc_timer():
 
 def timeline(fn, name: str) -> object:
     """Run `fn()` with the marks only (no profiler: nothing slows the threads) and print its timeline."""
-    MARKS.clear(), DETAILS.clear(), ARRIVALS.clear()
+    MARKS.clear(), DETAILS.clear(), ARRIVALS.clear(), LOOP_ARRIVALS.clear()
     callback = _gc_timer()
     gc.callbacks.append(callback)
     start = time.perf_counter()
@@ -147,6 +170,9 @@ def timeline(fn, name: str) -> object:
         arrived = [t for t in ARRIVALS if last <= t < a]
         since = (f"; {len(arrived)} arrived over {(arrived[-1] - arrived[0]) * 1e3:.1f} ms from "
                  f"{(arrived[0] - start) * 1e3:.1f}") if arrived and what.startswith("prefill") else ""
+        read = [t for t in LOOP_ARRIVALS if last <= t < a]
+        since += (f" (read by the event loop over {(read[-1] - read[0]) * 1e3:.1f} ms from {(read[0] - start) * 1e3:.1f})"
+                  if read and since else "")
         print(f"  {(a - start) * 1e3:8.1f} ms  +{(b - a) * 1e3:6.1f} ms  {what}{since}")
         if what.startswith("prefill"):
             last = a
@@ -258,6 +284,7 @@ def main():
     policy = make_policy(MarkedPolicy, model, args, len(tokenizer))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     driver = make_driver(functools.partial(MarkedEnv, tokenizer=tokenizer), policy, sampling, max(args.batch))
+    agents.rollout_processes._EnvProcess = MarkedEnvProcess  # the env processes this script starts are marked
     processes = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, max(args.batch),
                             args.env_processes) if args.timeline and args.env_processes else None
     tasks = make_tasks(max(args.batch))
