@@ -134,20 +134,29 @@ class _SwitchInterval:
 _SWITCH_INTERVAL = _SwitchInterval()
 
 
-def _resolve(loop: asyncio.AbstractEventLoop, future: asyncio.Future, result: Any, error: BaseException | None):
-    """Settle an asyncio future from the worker thread (unless it was cancelled meanwhile)."""
+#: how a future settles: (the future, its result, or the exception it raises)
+Settlement = tuple[asyncio.Future, Any, BaseException | None]
 
-    def set_outcome() -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
+
+def _resolve(loop: asyncio.AbstractEventLoop, settlements: list[Settlement]) -> None:
+    """Settle asyncio futures of `loop` from the worker thread, all in one callback (those cancelled meanwhile are
+    left alone). Why one: the requests that end at one step (a turn boundary: a whole batch) would otherwise wake
+    the event loop once each and reach it over many of its passes, competing for the interpreter lock with the
+    worker meanwhile; settled together, their callers all go on in the loop's next pass (e.g. the env processes'
+    answers leave in one message each: `agents.rollout_processes`)."""
+
+    def set_outcomes() -> None:
+        for future, result, error in settlements:
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
 
     try:
-        loop.call_soon_threadsafe(set_outcome)
-    except RuntimeError:  # the caller's event loop is closed: nobody waits for this result any more
+        loop.call_soon_threadsafe(set_outcomes)
+    except RuntimeError:  # the caller's event loop is closed: nobody waits for these results any more
         pass
 
 
@@ -171,16 +180,15 @@ class _Request:
     def __post_init__(self):
         self.mode = SAMPLING_MODES.index(sampling_mode([self.params]))
 
-    def settle(self, outcome: str | BaseException) -> None:
-        """Resolve the caller's future from the worker thread: a finish reason, or an exception to raise."""
+    def settlement(self, outcome: str | BaseException) -> Settlement:
+        """How the caller's future settles: with its ModelTurn for a finish reason, or raising an exception."""
         if isinstance(outcome, BaseException):
-            _resolve(self.loop, self.future, None, outcome)
-            return
+            return self.future, None, outcome
         now = time.perf_counter()
         started = self.started if self.started is not None else now
         meta = {"backend": "hf", "prompt_tokens": len(self.prompt), "completion_tokens": len(self.ids),
                 "queue_s": started - self.submitted, "generate_s": now - started}
-        _resolve(self.loop, self.future, ModelTurn(list(self.ids), list(self.logprobs), outcome, meta), None)
+        return self.future, ModelTurn(list(self.ids), list(self.logprobs), outcome, meta), None
 
 
 @dataclass(eq=False)
@@ -196,7 +204,7 @@ class _Call:
             result, error = self.fn(), None
         except Exception as e:
             result, error = None, e
-        _resolve(self.loop, self.future, result, error)
+        _resolve(self.loop, [(self.future, result, error)])
 
 
 @dataclass(eq=False)
@@ -643,7 +651,7 @@ class HFPolicy(Policy):
             except queue.Empty:
                 break
             if isinstance(item, _Call):
-                _resolve(item.loop, item.future, None, PolicyError("this HFPolicy is closed"))
+                _resolve(item.loop, [(item.future, None, PolicyError("this HFPolicy is closed"))])
             elif item is not _STOP:
                 requests.append(item)
         return requests
@@ -964,13 +972,17 @@ class HFPolicy(Policy):
         self._done.append((request, outcome))
 
     def _settle_done(self) -> None:
-        """Resolve finished requests; restore the module's train mode first if nothing else is running."""
+        """Resolve finished requests, those of one event loop together (`_resolve`); restore the module's train mode
+        first if nothing else is running."""
         if not self._busy() and self._restore_training:
             self.model.train()
             self._restore_training = False
         done, self._done = self._done, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[Settlement]] = {}
         for request, outcome in done:
-            request.settle(outcome)
+            by_loop.setdefault(request.loop, []).append(request.settlement(outcome))
+        for loop, settlements in by_loop.items():
+            _resolve(loop, settlements)
 
     def _copy_weights(self, items: list[tuple[str, torch.Tensor]]) -> None:
         state = self.model.state_dict(keep_vars=True)

@@ -278,6 +278,36 @@ def test_short_request_resolves_before_long_one(model, engine):
     assert len(g_short.ids) == 3 and len(g_long.ids) == 80
 
 
+def test_requests_ending_at_one_step_wake_their_event_loop_once(model, engine):
+    """The requests that end at one decode step settle in one callback of the caller's event loop (a turn boundary
+    ends a whole batch: one wake-up, not one per request, each competing with the worker for the interpreter
+    lock), and every caller gets its own turn."""
+    prompts = PROMPTS * 2
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        wakeups = []
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted_call(callback, *args, **kwargs):
+            wakeups.append(callback)
+            return call_soon_threadsafe(callback, *args, **kwargs)
+
+        async with HFPolicy(model, **engine) as policy:
+            loop.call_soon_threadsafe = counted_call
+            try:
+                turns = await policy.generate_many(prompts, GREEDY.replace(max_new_tokens=5))
+            finally:
+                del loop.call_soon_threadsafe
+            return turns, len(wakeups), policy.stats["prefill_passes"]
+
+    turns, wakeups, prefill_passes = run(main())
+    assert prefill_passes < len(prompts)  # (they share passes: one request per wake-up would be more wake-ups)
+    assert wakeups <= prefill_passes  # the rows of a pass end at one step: one wake-up for them
+    for prompt, turn in zip(prompts, turns):
+        assert turn.ids == greedy_by_hand(model, prompt, 5) and turn.finish_reason == "length"
+
+
 def test_requests_arriving_mid_batch_join_it_and_decode_correctly(model, engine):
     """Late requests start at the next step, share the running batch's passes, and their outputs are exactly
     what argmax decoding without cache gives (for prompts both longer and shorter than the running cache)."""
