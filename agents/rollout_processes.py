@@ -351,27 +351,33 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "answers":  # late: answered here before the last share's cancel reached the driver
                 continue
-            _, tasks, ids, step, sampling = message
-            try:
-                spent = asyncio.run(_play_share(driver, policy, conn, tasks, ids, step, sampling))
-            except BaseException as e:
-                conn.send(("error", portable(e, EnvProcessError)))
-                if not isinstance(e, Exception):
-                    raise
-            else:
-                conn.send(("result", spent))
+            _serve_share(driver, policy, conn, message[1:])
     finally:
         driver.close()
 
 
-async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling) -> dict:
+def _serve_share(driver: RolloutDriver, policy: RemotePolicy, conn, share: tuple) -> None:
+    """Play a share (tasks, ids, step, sampling) and send its result, or its error. The collector stays paused until
+    the result is sent: the young collection of the share's objects (which the driver's own pause leaves to the
+    next allocation) then runs while this process waits for its next share, not between the last record and the
+    result, which the rollout waits for."""
+    with collector_paused():
+        try:
+            asyncio.run(_play_share(driver, policy, conn, *share))
+        except BaseException as e:
+            conn.send(("error", portable(e, EnvProcessError)))
+            if not isinstance(e, Exception):
+                raise
+
+
+async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling) -> None:
     """Play a share, sending each episode's record as it ends (so the pickling, and the driver's process's
-    unpickling, of a share's records is spread over the rollout instead of following its last turn); returns the
-    wall-time split."""
+    unpickling, of a share's records is spread over the rollout instead of following its last turn), then the
+    wall-time split as the result (before the event loop is torn down)."""
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), policy.on_message)
     try:
         _, spent = await driver.play(tasks, ids, step, sampling, on_finished=lambda r: conn.send(("finished", r)))
-        return dict(spent)
     finally:
         loop.remove_reader(conn.fileno())
+    conn.send(("result", dict(spent)))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
+import multiprocessing
 import os
 import pickle
 import threading
@@ -18,7 +20,7 @@ import pytest
 from agents.hf_policy import HFPolicy
 from agents.policy import Policy, PolicyError, SamplingParams
 from agents.rollout import EpisodeState, RolloutDriver, episode_ids
-from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver, _EnvProcess
+from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver, RemotePolicy, _EnvProcess, _serve_share
 from agents.scripted import ScriptedPolicy
 from envs.calculator import CalculatorEnv
 
@@ -222,6 +224,62 @@ def test_an_answer_that_cannot_be_sent_fails_its_episode_alone(gated):
             assert "could not be sent to the env process" in record.error and "pickle" in record.error
         else:
             assert record.state == EpisodeState.COMPLETED and record.turns == 2
+
+
+class RecordedConn:
+    """An env process's end of its pipe, logging the kind of each message it sends into `log`."""
+
+    def __init__(self, conn, log: list):
+        self.conn, self.log = conn, log
+
+    def send(self, message):
+        self.log.append(("sent", message[0]))
+        self.conn.send(message)
+
+    def recv(self):
+        return self.conn.recv()
+
+    def poll(self, *args):
+        return self.conn.poll(*args)
+
+    def fileno(self):
+        return self.conn.fileno()
+
+
+def test_an_env_process_sends_a_shares_result_before_collecting_its_garbage(qwen25, fmt):  # noqa: F811
+    """The rollout waits for each share's result: the young collection of the share's objects (due once the
+    driver's pause of the collector ends) must come after it, when the process waits for its next share. The share
+    is served here (this process as the env process, a thread as the driver's side answering with the expert)."""
+    here, there = multiprocessing.Pipe()
+    log: list[tuple[str, object]] = []
+    conn = RecordedConn(there, log)
+    policy = RemotePolicy(conn)
+    driver = RolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, generation_timeout_s=120)
+    scripted = ScriptedPolicy(expert(fmt))
+
+    def answer() -> None:  # the driver's side: answer each generation, until the result (or an error) arrives
+        while (message := here.recv())[0] not in ("result", "error"):
+            if message[0] == "generate":
+                _, key, prompt_ids, params = message
+                here.send(("answers", [("turn", key, asyncio.run(scripted.generate(prompt_ids, params)))]))
+
+    def collections(phase: str, info: dict) -> None:
+        if phase == "start":
+            log.append(("collection", info["generation"]))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    gc.callbacks.append(collections)
+    try:
+        _serve_share(driver, policy, conn, (tasks_for([12, 34], [5, 6, 7]), episode_ids(2, 2), 0, SamplingParams()))
+    finally:
+        gc.callbacks.remove(collections)
+        thread.join(timeout=30)
+        driver.close()
+    last_record = max(i for i, event in enumerate(log) if event == ("sent", "finished"))
+    result = log.index(("sent", "result"))
+    assert log.count(("sent", "finished")) == 4 and result > last_record
+    assert [event for event in log[last_record:result] if event[0] == "collection"] == []
 
 
 # --------------------------------------------------------------------------------------------- failures
