@@ -47,6 +47,7 @@ MARKS: list[tuple[float, float, str, str]] = []  #: (start, end) in perf_counter
 DETAILS: list[tuple[float, float, str]] = []  #: (start, end, what) of the timeline's events
 ARRIVALS: list[float] = []  #: when the worker took each request
 LOOP_ARRIVALS: list[float] = []  #: when this process's event loop read each generation request of an env process
+RECORDS: list[float] = []  #: when this process's event loop read each episode record of an env process
 
 
 @contextlib.contextmanager
@@ -119,8 +120,13 @@ class MarkedEnvProcess(agents.rollout_processes._EnvProcess):
     answers it sends."""
 
     def _handle(self, message, *args):
+        now = time.perf_counter()
         if message[0] == "generate":
-            LOOP_ARRIVALS.append(time.perf_counter())
+            LOOP_ARRIVALS.append(now)
+        elif message[0] == "finished":
+            RECORDS.append(now)
+        elif message[0] == "result":
+            DETAILS.append((now, now, f"result of env process {self.index}"))
         return super()._handle(message, *args)
 
     def _send_replies(self):
@@ -147,7 +153,7 @@ def _gc_timer():
 
 def timeline(fn, name: str) -> object:
     """Run `fn()` with the marks only (no profiler: nothing slows the threads) and print its timeline."""
-    MARKS.clear(), DETAILS.clear(), ARRIVALS.clear(), LOOP_ARRIVALS.clear()
+    MARKS.clear(), DETAILS.clear(), ARRIVALS.clear(), LOOP_ARRIVALS.clear(), RECORDS.clear()
     callback = _gc_timer()
     gc.callbacks.append(callback)
     start = time.perf_counter()
@@ -176,6 +182,10 @@ def timeline(fn, name: str) -> object:
         print(f"  {(a - start) * 1e3:8.1f} ms  +{(b - a) * 1e3:6.1f} ms  {what}{since}")
         if what.startswith("prefill"):
             last = a
+    if RECORDS:  # the episodes' records, read as they end; the last ones after the last turn
+        tail = [t for t in RECORDS if t >= RECORDS[-1] - 0.1]
+        print(f"  {len(RECORDS)} episode records read by the event loop; the last {len(tail)} from "
+              f"{(tail[0] - start) * 1e3:.1f} to {(tail[-1] - start) * 1e3:.1f} ms")
     return result
 
 
