@@ -212,11 +212,17 @@ class RolloutDriver(EpisodeDriver):
         generation_timeout_s: a generation taking longer fails its episode.
         seed: base seed for env resets and per-episode sampling seeds.
         progress: show a progress bar.
+        precheck_drift: while each turn is generated, run the episode's drift check on the context it is generated
+            from (`Conversation.precheck_drift`), instead of all at the episode's end. For env processes
+            (`agents.rollout_processes`, which set it): they are idle while the engine generates, and the episodes
+            whose last turns end at one step — at the rollout's end, all of them — are otherwise each checked there,
+            one after another, while the rollout waits for their records. Beside an engine in the same process the
+            extra checks (one per turn) would compete with it for the interpreter lock: off by default.
     """
 
     def __init__(self, env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
                  env_kwargs: dict | None = None, max_concurrency: int = 256, generation_timeout_s: float | None = 600,
-                 seed: int = 0, progress: bool = False):
+                 seed: int = 0, progress: bool = False, precheck_drift: bool = False):
         self.make_env = (lambda: gym.make(env, **(env_kwargs or {}))) if isinstance(env, str) else env
         self.policy = policy
         self.sampling = sampling or SamplingParams()
@@ -224,6 +230,7 @@ class RolloutDriver(EpisodeDriver):
         self.generation_timeout_s = generation_timeout_s
         self.seed = seed
         self.progress = progress
+        self.precheck_drift = precheck_drift
         self._pool: list[gym.Env] = []
         self._created = 0
 
@@ -323,6 +330,8 @@ class RolloutDriver(EpisodeDriver):
         for turn in itertools.count():
             params = sampling.replace(max_new_tokens=max(1, min(sampling.max_new_tokens, conv.max_new_tokens)),
                                       stop_token_ids=stop, seed=(seed + turn) % 2**63)
+            if self.precheck_drift:  # after this loop pass, which sends the requests of the turns that ended in it
+                asyncio.get_running_loop().call_soon(conv.precheck_drift)
             with clock.during("generation", record):
                 try:
                     async with asyncio.timeout(self.generation_timeout_s) as limit:

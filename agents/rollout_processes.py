@@ -72,7 +72,8 @@ class ProcessRolloutDriver(EpisodeDriver):
             # what each env process builds its RolloutDriver from, given its RemotePolicy (sent once)
             self._spec = cloudpickle.dumps(functools.partial(RolloutDriver, env, env_kwargs=env_kwargs,
                                                              max_concurrency=per_process,
-                                                             generation_timeout_s=generation_timeout_s, seed=seed))
+                                                             generation_timeout_s=generation_timeout_s, seed=seed,
+                                                             precheck_drift=True))
         except Exception as e:
             raise TypeError(f"the env of a ProcessRolloutDriver must be picklable by cloudpickle (a registered "
                             f"Gymnasium id, a class, or a function that builds the env), and {env!r} with "

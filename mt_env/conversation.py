@@ -25,6 +25,8 @@ next prompt from `context_ids` and keeps no copy of its own.
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 from collections.abc import Mapping, Sequence
@@ -121,6 +123,8 @@ class Conversation:
         self.truncation_reason: str | None = None
         self.observation_cuts = 0  #: observations shortened by the budget's policy
         self._awaiting = "assistant"
+        #: per sample index, the (segments, template messages) that `check_drift` found without drift
+        self._drift_checked: dict[int, tuple[int, int]] = {}
 
         text, gen = fmt.prompt_text(self.template_messages)
         ids = fmt.encode(text + gen)
@@ -398,7 +402,9 @@ class Conversation:
         For each sample, the text of every segment before its last sampled turn must equal the template's rendering
         of the messages so far (with the generation prompt), and the ids of every run of template segments must
         equal the encoding of that run's text. Sampled ids are never compared with a re-tokenization: how a model
-        splits its own text is not drift. Cost: one render and about one tokenization of the template text.
+        splits its own text is not drift. Cost: one render and about one tokenization of the template text. What
+        an earlier call checked (e.g. `precheck_drift` while the last turn was generated) is not checked again:
+        segments and messages are only ever appended, so it cannot have changed.
         """
         for index, sample in enumerate(self.samples_):
             segs = sample.segments
@@ -409,6 +415,8 @@ class Conversation:
                 n_messages = self.turns[segs[-1].turn].message_index
             else:
                 n_messages = len(self.template_messages) if index == len(self.samples_) - 1 else n_messages
+            if self._drift_checked.get(index) == (last, n_messages):
+                continue
             expected = self.fmt.render(self.template_messages[:n_messages], add_generation_prompt=True)
             got = "".join(s.text for s in segs[:last])
             if got != expected:
@@ -419,6 +427,16 @@ class Conversation:
                 ids = self.fmt.encode(text)
                 if sample.ids[start:end] != ids:
                     raise DriftError(self._token_diff(index, start, end, text, sample.ids[start:end], ids))
+            self._drift_checked[index] = (last, n_messages)
+
+    def precheck_drift(self) -> None:
+        """Run `check_drift` on the conversation so far, e.g. while its next turn is generated: the context a turn is
+        generated from is what the check compares once that turn is the last, so `samples()` then checks only what
+        came after. A drift (or a template error) found now is not raised here: `samples()` checks that part again
+        and raises it, so the episode fails where it always does."""
+        if self.strict:
+            with contextlib.suppress(Exception):  # raised again, with its own message, by samples()
+                self.check_drift()
 
     def _text_diff(self, sample: int, segs: list[Segment], got: str, expected: str) -> str:
         at = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))

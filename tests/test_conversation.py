@@ -217,6 +217,34 @@ def test_bad_input_gives_clear_errors(fmt, qwen25):
         ChatFormat(bare)
 
 
+def test_a_context_prechecked_while_its_turn_is_generated_is_not_checked_again(qwen25, monkeypatch):
+    """`precheck_drift` before each turn (as env processes run it while the turn is generated) checks what
+    `samples()` would check once that turn is the last: `samples()` then renders and encodes nothing, and gives the
+    same samples."""
+    fmt = ChatFormat(qwen25, tools=[LOOKUP_TOOL])
+    calls = []
+    for name in ("render", "encode"):
+        method = getattr(fmt, name)
+        monkeypatch.setattr(fmt, name, lambda *a, _method=method, _name=name, **k: calls.append(_name) or _method(*a, **k))
+
+    def play(precheck: bool) -> Conversation:
+        conv = Conversation(fmt, PROMPT)
+        for k, text in enumerate(["One.", "Two.", "Three."]):
+            if k:
+                conv.add_observation([{"role": "user", "content": "Go on."}])
+            if precheck:
+                conv.precheck_drift()
+            conv.add_assistant(turn_ids(fmt, text))
+        return conv
+
+    plain, prechecked = play(precheck=False), play(precheck=True)
+    calls.clear()
+    reference = plain.samples()
+    assert "render" in calls  # the check's own work, at the end
+    calls.clear()
+    assert prechecked.samples() == reference and calls == []
+
+
 def test_qwen3_reasoning_drift_is_caught_and_per_turn_mode_splits(qwen3):
     fmt = ChatFormat(qwen3, tools=[LOOKUP_TOOL])
     report = check_template(fmt)
@@ -232,6 +260,11 @@ def test_qwen3_reasoning_drift_is_caught_and_per_turn_mode_splits(qwen3):
 
     with pytest.raises(DriftError, match=r"(?s)turn 0.*per_turn"):
         play("incremental").samples()
+    # checked ahead (as while the last turn is generated), the drift is not raised then but by samples(), the same
+    prechecked = play("incremental")
+    prechecked.precheck_drift()
+    with pytest.raises(DriftError, match=r"(?s)turn 0.*per_turn"):
+        prechecked.samples()
     # a failed episode's tokens are kept untrained: nothing is trained, so no drift check (strict stays as set)
     drifted = play("incremental")
     (kept,) = drifted.samples(trainable=False)
