@@ -530,8 +530,11 @@ class _SlotState:
     The per-slot buffers have one spare entry past the last slot, never a row's: a step's views of them (the first
     `rows` entries) then never span a whole buffer, which dynamo would compile as a case of its own."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    #: the KV cache, [layers, slots, kv_heads, max_cache_len, head_dim] each: one tensor over the layers, so that
+    #: moving or clearing slots is a few ops, not a few per layer (each op a wait for the interpreter lock while
+    #: the caller's event loop is busy: `SlotEngine.move` took 10-30 ms mid-rollout on an H200 as 24 layers' ops)
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
     tokens: torch.Tensor  #: long: the token each slot feeds next
     lengths: torch.Tensor  #: long: filled cache positions (= the position of that next token)
     live: torch.Tensor  #: bool: the slot holds a row (free slots do not advance)
@@ -542,9 +545,12 @@ class _SlotState:
     out: torch.Tensor  #: float64 [slots, 2]: sampled token, its logprob (a slot's pair contiguous: see `_HostSide`)
     host: tuple[_HostSide, _HostSide]  #: host buffers of the two steps that may be in flight (even, odd launches)
     launches: int = 0
+    keys: list[torch.Tensor] = field(init=False)  #: each layer's view of `key_cache` (the passes' layer loops)
+    values: list[torch.Tensor] = field(init=False)
     per_slot: tuple[torch.Tensor, ...] = field(init=False)
 
     def __post_init__(self):
+        self.keys, self.values = list(self.key_cache.unbind(0)), list(self.value_cache.unbind(0))
         self.per_slot = (self.tokens, self.lengths, self.live, self.temperature, self.top_k, self.top_p)
 
 
@@ -643,10 +649,9 @@ class SlotEngine:
             return
         self.check_module(busy=False)
         device, dtype, lay, n = module_device(self.model), _kv_dtype(self.layout), self.layout, self.max_slots
-        shape = (n, lay.kv_heads, self.max_cache_len, lay.head_dim)
+        shape = (len(lay.layers), n, lay.kv_heads, self.max_cache_len, lay.head_dim)
         try:
-            keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in lay.layers]
-            values = [torch.zeros(shape, dtype=dtype, device=device) for _ in lay.layers]
+            keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
         except torch.cuda.OutOfMemoryError as e:
             raise GenerationError(f"the fast path's KV cache ({self.cache_bytes() / 2**30:.1f} GiB for {n} slots x "
                                   f"{self.max_cache_len} tokens) does not fit: lower max_batch_size or "
@@ -739,8 +744,8 @@ class SlotEngine:
         s.live.index_fill_(0, index, False)
         s.lengths.index_fill_(0, index, 0)
         if clear:
-            for cache in (*s.keys, *s.values):
-                cache.index_fill_(0, index, 0)
+            for cache in (s.key_cache, s.value_cache):
+                cache.index_fill_(1, index, 0)
 
     def move(self, moves: Sequence[tuple[int, int]], filled: int) -> None:
         """Copy each (from, to) slot's first `filled` KV positions and its per-slot state, then free `from`."""
@@ -749,9 +754,9 @@ class SlotEngine:
         s = self._state
         src = _to_device([a for a, _ in moves], torch.long, s.live.device)
         dst = _to_device([b for _, b in moves], torch.long, s.live.device)
-        for cache in (*s.keys, *s.values):
-            part = cache[:, :, :filled]
-            part.index_copy_(0, dst, part.index_select(0, src))
+        for cache in (s.key_cache, s.value_cache):
+            part = cache[:, :, :, :filled]
+            part.index_copy_(1, dst, part.index_select(1, src))
         for buffer in s.per_slot:
             buffer.index_copy_(0, dst, buffer.index_select(0, src))
         self.free([a for a, _ in moves])

@@ -20,6 +20,7 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from hypothesis import assume, given
 from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
@@ -693,6 +694,39 @@ def test_compaction_keeps_each_rows_kv_and_position(small_engine_model, lengths,
         assert all(torch.equal(a, b) for a, b in zip(after, before[row]))
     held = {slot for slot, _ in table.occupied()}
     assert all(now[slot] == 0 for slot in range(8) if slot not in held)  # moved-from and left slots are free
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops run inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_moving_and_clearing_slots_costs_the_same_ops_whatever_the_layer_count():
+    """A slot move (compaction) and a clearing free run a fixed number of ops, not a few per layer: each op of the
+    host's is a wait for the interpreter lock when the caller's event loop is busy (mid-rollout, as rows end)."""
+    counts = []
+    for layers in (2, 6):
+        model = build("qwen2", seed=3, num_hidden_layers=layers)
+        engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=32, vocab_size=VOCAB,
+                            cuda_graphs=False)
+        greedy = RowSampling.draw([SamplingParams(temperature=0)] * 2, [None] * 2, VOCAB)
+        with torch.no_grad():
+            engine.prefill([5, 6], [[1, 2, 3], [4, 5]], greedy)
+        counter = OpCounter()
+        with counter:
+            engine.move([(5, 0), (6, 1)], filled=3)
+            engine.free([0], clear=True)
+        counts.append(counter.ops)
+        assert engine.slot_lengths()[:2] == [0, 2] and all(torch.equal(t[0], torch.zeros_like(t[0]))
+                                                         for t in engine.kv(layers - 1))
+    assert counts[0] == counts[1]
 
 
 # ------------------------------------------------------------------------------------------------- compiled step
