@@ -12,8 +12,9 @@ optimizer step the next token sees the new weights) through its own layer loop:
   ``post_attention_layernorm``, ``mlp``, then ``norm``, ``rotary_emb``, ``lm_head``) and the modeling file's own
   ``apply_rotary_pos_emb``. Anything else raises `UnsupportedModel` with the reason; HFPolicy then keeps its
   transformers path.
-* **Slot KV cache** (`SlotEngine`): per layer, K and V of shape [slots, kv_heads, max_cache_len, head_dim] in the
-  module's dtype, zero-initialised (masked positions are multiplied by 0 in attention: they must hold finite
+* **Slot KV cache** (`SlotEngine`): per layer, K and V of shape [slots, kv_heads, max_cache_len, head_dim] (views of
+  one K and one V tensor over the layers: moving or clearing slots is then a few ops) in the module's dtype,
+  zero-initialised (masked positions are multiplied by 0 in attention: they must hold finite
   values), allocated on first use and freeable (`SlotEngine.release`). Row *i* of a decode batch is slot *i*: a
   step over a batch bucket of B rows reads ``K[:B, :, :L]`` as a view, L being the filled length rounded up to a
   multiple of ``length_step``. Rows join by prefilling into free slots and leave by freeing theirs; nothing is
@@ -525,7 +526,7 @@ def admission_waits(waited: Sequence[int], decoding: int, wait_steps: int) -> bo
 # --------------------------------------------------------------------------------------------- the engine
 @dataclass
 class _SlotState:
-    """Device tensors, one entry per slot (the KV cache per layer and the decode step's inputs and outputs).
+    """Device tensors, one entry per slot (the KV cache of every layer and the decode step's inputs and outputs).
 
     The per-slot buffers have one spare entry past the last slot, never a row's: a step's views of them (the first
     `rows` entries) then never span a whole buffer, which dynamo would compile as a case of its own."""

@@ -26,7 +26,6 @@ next prompt from `context_ids` and keeps no copy of its own.
 from __future__ import annotations
 
 import contextlib
-
 import json
 import math
 from collections.abc import Mapping, Sequence
