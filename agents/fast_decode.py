@@ -652,7 +652,7 @@ class SlotEngine:
         device, dtype, lay, n = module_device(self.model), _kv_dtype(self.layout), self.layout, self.max_slots
         shape = (len(lay.layers), n, lay.kv_heads, self.max_cache_len, lay.head_dim)
         try:
-            keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         except torch.cuda.OutOfMemoryError as e:
             raise GenerationError(f"the fast path's KV cache ({self.cache_bytes() / 2**30:.1f} GiB for {n} slots x "
                                   f"{self.max_cache_len} tokens) does not fit: lower max_batch_size or "

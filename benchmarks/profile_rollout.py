@@ -177,8 +177,9 @@ def timeline(fn, name: str) -> object:
         since = (f"; {len(arrived)} arrived over {(arrived[-1] - arrived[0]) * 1e3:.1f} ms from "
                  f"{(arrived[0] - start) * 1e3:.1f}") if arrived and what.startswith("prefill") else ""
         read = [t for t in LOOP_ARRIVALS if last <= t < a]
-        since += (f" (read by the event loop over {(read[-1] - read[0]) * 1e3:.1f} ms from {(read[0] - start) * 1e3:.1f})"
-                  if read and since else "")
+        if read and since:
+            since += (f" (read by the event loop over {(read[-1] - read[0]) * 1e3:.1f} ms from "
+                      f"{(read[0] - start) * 1e3:.1f})")
         print(f"  {(a - start) * 1e3:8.1f} ms  +{(b - a) * 1e3:6.1f} ms  {what}{since}")
         if what.startswith("prefill"):
             last = a

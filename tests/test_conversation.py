@@ -223,9 +223,17 @@ def test_a_context_prechecked_while_its_turn_is_generated_is_not_checked_again(q
     same samples."""
     fmt = ChatFormat(qwen25, tools=[LOOKUP_TOOL])
     calls = []
-    for name in ("render", "encode"):
+
+    def counted(name: str):
         method = getattr(fmt, name)
-        monkeypatch.setattr(fmt, name, lambda *a, _method=method, _name=name, **k: calls.append(_name) or _method(*a, **k))
+
+        def call(*args, **kwargs):
+            calls.append(name)
+            return method(*args, **kwargs)
+        return call
+
+    for name in ("render", "encode"):
+        monkeypatch.setattr(fmt, name, counted(name))
 
     def play(precheck: bool) -> Conversation:
         conv = Conversation(fmt, PROMPT)
