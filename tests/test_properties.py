@@ -7,6 +7,9 @@ tokenizers and templates when ../shared is present.
 
 from __future__ import annotations
 
+import pickle
+import pickletools
+import struct
 import unicodedata
 
 import pytest
@@ -19,7 +22,7 @@ from mt_env.chat_format import ChatFormat
 from mt_env.conformance import check_template
 from mt_env.conversation import Conversation, TokenBudget
 from mt_env.errors import ConversationError, DriftError
-from mt_env.sample import Seg
+from mt_env.sample import Sample, Seg, Segment
 from mt_env.tokenizer import offline_tokenizer
 
 from .conftest import LOOKUP_TOOL, shared_tokenizer
@@ -120,6 +123,43 @@ def test_per_turn_samples_are_what_the_model_saw(fmt, plan):
         assert sample.ids[:sample.prompt_len] == fmt.encode(fmt.render(history, add_generation_prompt=True))
         assert sample.ids[sample.prompt_len:] == turn.ids
         assert sum(sample.loss_mask()) == len(turn.ids)
+
+
+@given(plan=conversation_plan(), ids=st.lists(st.integers(-2**63, 2**63 - 1), max_size=20),
+       logprobs=st.lists(st.floats(allow_nan=False) | st.sampled_from([-0.0, float("inf"), -float("inf")]),
+                         max_size=20))
+def test_samples_come_back_from_a_pickle_as_they_went(fmt, plan, ids, logprobs):
+    """Samples cross processes packed (`mt_env.packed`): the same values, types and segments come back — for a real
+    conversation's samples, and for per-token lists of any 64-bit ids and floats (a list too large for int64, or a
+    nan, comes back too)."""
+    samples = play(fmt, plan, mode="per_turn").samples()
+    odd = Sample(ids=ids + [2**64], logprobs=logprobs + [float("nan")], rewards=None)
+    for sample in [*samples, odd, Sample(ids=ids, logprobs=logprobs, rewards=[1.0] * len(ids))]:
+        back = pickle.loads(pickle.dumps(sample))
+        assert type(back) is Sample and back.segments == sample.segments
+        assert all(type(a) is type(b) and a.kind is b.kind for a, b in zip(back.segments, sample.segments))
+        for name in ("ids", "logprobs", "rewards"):
+            got, want = getattr(back, name), getattr(sample, name)
+            assert type(got) is type(want) and [type(v) for v in got or []] == [type(v) for v in want or []]
+            assert _bits(got) == _bits(want), name
+        assert {k: v for k, v in vars(back).items() if k not in ("ids", "logprobs", "rewards", "segments")} == \
+            {k: v for k, v in vars(sample).items() if k not in ("ids", "logprobs", "rewards", "segments")}
+
+
+def _bits(values):
+    """Values compared bit for bit (nan equal to itself, -0.0 unequal to 0.0)."""
+    return None if values is None else [struct.pack("<d", v) if type(v) is float else v for v in values]
+
+
+def test_a_pickled_sample_costs_opcodes_per_segment_not_per_token():
+    """Loading a sample is one buffer copy per per-token list: the pickle's opcodes do not grow with its tokens."""
+    def opcodes(tokens: int) -> int:
+        sample = Sample(ids=list(range(tokens)), logprobs=[-0.5] * tokens, rewards=[0.0] * tokens,
+                        segments=[Segment(Seg.PROMPT, -1, 0, tokens // 2, "p"), Segment(Seg.SAMPLED, 0, tokens // 2,
+                                                                                        tokens, "s")])
+        return sum(1 for _ in pickletools.genops(pickle.dumps(sample)))
+
+    assert opcodes(10_000) <= opcodes(10) + 8  # a few more: wider ints in the segments, 64 KiB frames
 
 
 def sample_fields(s) -> dict[str, list]:
