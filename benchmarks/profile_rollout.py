@@ -33,8 +33,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import agents.hf_policy  # noqa: E402
 import agents.rollout_processes  # noqa: E402
-from agents.hf_policy import HFPolicy  # noqa: E402
+from agents.hf_policy import HFPolicy, _resolve  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import (  # noqa: E402
     KeepGoingEnv, build_model, make_driver, make_policy, make_tasks, run_engine, turn_work)
@@ -134,6 +135,23 @@ class MarkedEnvProcess(agents.rollout_processes._EnvProcess):
         super()._send_replies()
         if count >= 8:
             DETAILS.append((start, time.perf_counter(), f"{count} answers sent to an env process"))
+
+
+def _marked_resolve(loop, settlements):
+    """`hf_policy._resolve`, also marking when the event loop ran a callback queued just before `_resolve`'s own:
+    how long the callers of the requests that ended at one step waited for the loop (busy with other work)."""
+    queued = time.perf_counter()
+
+    def ran() -> None:
+        if len(settlements) >= 8:
+            now = time.perf_counter()
+            DETAILS.append((queued, now, f"{len(settlements)} results settled: the event loop ran their callback "
+                            f"{(now - queued) * 1e3:.1f} ms after the worker queued it"))
+    try:
+        loop.call_soon_threadsafe(ran)
+    except RuntimeError:
+        pass
+    _resolve(loop, settlements)
 
 
 def _gc_timer():
@@ -296,6 +314,7 @@ def main():
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens)
     driver = make_driver(functools.partial(MarkedEnv, tokenizer=tokenizer), policy, sampling, max(args.batch))
     agents.rollout_processes._EnvProcess = MarkedEnvProcess  # the env processes this script starts are marked
+    agents.hf_policy._resolve = _marked_resolve
     processes = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, max(args.batch),
                             args.env_processes) if args.timeline and args.env_processes else None
     tasks = make_tasks(max(args.batch))
