@@ -1,6 +1,8 @@
 #!/bin/bash
 # The GPU measurements behind the README's figures, in the groups they were run (each fits a 10-minute call).
 #   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes with generate + CUDA tests
+#   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
+#                                        # generate), with its env work in 4, then 8 processes
 #   bash benchmarks/run_gpu.sh step1     # 1 GPU: RL step + prefill passes by shape, profiled + CUDA trainer tests
 #   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout (env work in 4
 #                                        # processes, then in one) | CUDA tests + RL step
@@ -47,6 +49,13 @@ case "${1:-}" in
     MT_ENV_TEST_DEVICE=cuda timeout 170 python3 -m pytest tests/test_fast_decode.py tests/test_policy_hf.py \
       -q -x -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1; echo "cuda tests rc=$?"  # the trainer's: step1
     tail -4 "$OUT/cuda_tests.txt" ;;
+  driver256)
+    shift
+    for p in "${@:-4}"; do
+      timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 --new-tokens 128 \
+        --env-processes "$p" --repeats 5 --no-hf-static --out "$OUT/rollout_256_p$p.json" > "$OUT/rollout_256_p$p.txt" 2>&1
+      echo "bench_rollout, $p env processes: rc=$?"; grep "^  256\|runs:" "$OUT/rollout_256_p$p.txt"
+    done ;;
   step1)
     timeout 200 python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" > "$OUT/rl_step.txt" 2>&1
     echo "bench_rl_step rc=$?"; tail -9 "$OUT/rl_step.txt"
