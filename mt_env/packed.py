@@ -20,6 +20,11 @@ from typing import Any
 
 INT_CODE, FLOAT_CODE = "q", "d"  #: int64 and C double
 
+#: experiment (`benchmarks/bench_rollout.py --keep-samples-packed`): loaded objects keep the arrays instead of lists
+#: (then unequal to lists): what the per-token Python objects cost the loading process — their creation and the
+#: garbage collector's passes over them
+KEEP_PACKED = False
+
 
 def reduce_packed(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> tuple:
     """A ``__reduce__`` value for a plain object (state in ``__dict__``) whose attributes named in `ints` and
@@ -34,7 +39,7 @@ def reduce_packed(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] 
 
 def _load(cls: type, state: dict, names: tuple[str, ...]) -> Any:
     obj = cls.__new__(cls)
-    for name in names:
+    for name in () if KEEP_PACKED else names:
         if type(state[name]) is array:
             state[name] = state[name].tolist()
     obj.__dict__.update(state)
