@@ -61,11 +61,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import agents.fast_decode  # noqa: E402
 import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
+import mt_env.packed  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams, counted  # noqa: E402
 from agents.rollout import RolloutResult  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
-import mt_env.packed  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
 from mt_env.sample import Seg  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402

@@ -53,7 +53,8 @@ case "${1:-}" in
     shift
     for p in "${@:-4}"; do
       timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 --new-tokens 128 \
-        --env-processes "$p" --repeats 5 --no-hf-static --out "$OUT/rollout_256_p$p.json" > "$OUT/rollout_256_p$p.txt" 2>&1
+        --env-processes "$p" --repeats 5 --no-hf-static --out "$OUT/rollout_256_p$p.json" \
+        > "$OUT/rollout_256_p$p.txt" 2>&1
       echo "bench_rollout, $p env processes: rc=$?"; grep "^  256\|runs:" "$OUT/rollout_256_p$p.txt"
     done ;;
   step1)
