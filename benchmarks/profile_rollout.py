@@ -144,14 +144,14 @@ def _marked_resolve(loop, settlements):
     queued = time.perf_counter()
 
     def ran() -> None:
-        if len(settlements) >= 8:
-            now = time.perf_counter()
-            DETAILS.append((queued, now, f"{len(settlements)} results settled: the event loop ran their callback "
-                            f"{(now - queued) * 1e3:.1f} ms after the worker queued it"))
-    try:
-        loop.call_soon_threadsafe(ran)
-    except RuntimeError:
-        pass
+        now = time.perf_counter()
+        DETAILS.append((queued, now, f"{len(settlements)} results settled: the event loop ran their callback "
+                        f"{(now - queued) * 1e3:.1f} ms after the worker queued it"))
+    if len(settlements) >= 8:  # only those: a marking callback for every lone result would be a wake-up more each
+        try:
+            loop.call_soon_threadsafe(ran)
+        except RuntimeError:
+            pass
     _resolve(loop, settlements)
 
 
