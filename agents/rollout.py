@@ -410,7 +410,7 @@ def _metrics(records: list[EpisodeRecord], wall: float, spent: Counter) -> dict[
     states = Counter(r.state.value for r in records)
     finish = Counter(f for r in records for f in r.finish_reasons)
     generated = sum(r.generated_tokens for r in records)
-    responses = [len(s.ids) - s.prompt_len for r in ok for s in r.samples]
+    responses = [len(s) - s.prompt_len for r in ok for s in r.samples]
     m = {
         "rollout/episodes": len(records),
         "rollout/completed": states.get("completed", 0),

@@ -61,7 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import agents.fast_decode  # noqa: E402
 import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
-import mt_env.packed  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams, counted  # noqa: E402
 from agents.rollout import RolloutResult  # noqa: E402
@@ -274,8 +273,6 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--decode-attention", choices=["torch", "no-cudnn"], default="torch", help="experiment: the "
                     "decode step's attention kernels (agents.fast_decode.DECODE_ATTENTION): torch's choice, or the "
                     "prefill's (no cuDNN)")
-    ap.add_argument("--keep-samples-packed", action="store_true", help="experiment: the records' samples loaded here "
-                    "from env processes keep their per-token lists as arrays (mt_env.packed.KEEP_PACKED)")
     ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
                     "(agents.rollout_processes.ProcessRolloutDriver); 0: in this process (RolloutDriver)")
     ap.add_argument("--out", help="write the figures as JSON here")
@@ -289,7 +286,6 @@ def main():
     if threads:
         torch.set_num_threads(threads)
     _raise_recompile_limit()
-    mt_env.packed.KEEP_PACKED = args.keep_samples_packed
     if args.switch_interval is not None:
         agents.hf_policy.SERVING_SWITCH_INTERVAL_S = args.switch_interval
     if args.gather_cap is not None:
@@ -354,7 +350,6 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
                   admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes,
-                  keep_samples_packed=args.keep_samples_packed,
                   decode_attention=args.decode_attention)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")

@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import agents.hf_policy  # noqa: E402
 import agents.rollout_processes  # noqa: E402
-import mt_env.packed  # noqa: E402
 from agents.hf_policy import HFPolicy, _resolve  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks.bench_rollout import (  # noqa: E402
@@ -305,10 +304,8 @@ def main():
                     "in this many processes")
     ap.add_argument("--timeline", action="store_true", help="no profiler: print each run's prefill passes, slow "
                     "launches and garbage collections, with the requests' arrivals")
-    ap.add_argument("--keep-samples-packed", action="store_true", help="experiment: as bench_rollout.py's")
     ap.add_argument("--out", default="/tmp/profile_rollout")
     args = ap.parse_args()
-    mt_env.packed.KEEP_PACKED = args.keep_samples_packed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer("offline:qwen2.5")

@@ -28,11 +28,13 @@ block-diagonally (``seq_ids``); `Packed.unpack` puts per-token results back in t
 from __future__ import annotations
 
 import dataclasses
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import packed
 from .sample import Sample
 
 
@@ -79,27 +81,41 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
     """The samples as one batch: row ``b`` is sample ``b``, right-padded to the longest sample."""
     if not samples:
         raise ValueError("cannot batch zero samples")
-    B, L = len(samples), max(len(s.ids) for s in samples)
+    B, L = len(samples), max(len(s) for s in samples)
 
-    def per_token(values: Callable[[Sample], list], fill: float, dtype: torch.dtype) -> torch.Tensor:
+    def per_token(values: Callable[[Sample], Sequence], fill: float, dtype: torch.dtype) -> torch.Tensor:
         out = torch.full((B, L), fill, dtype=dtype)
         for b, s in enumerate(samples):
-            out[b, :len(s.ids)] = torch.tensor(values(s), dtype=dtype)
+            out[b, :len(s)] = _tensor(values(s), dtype)
         return out
 
-    attention_mask = per_token(lambda s: [1] * len(s.ids), 0, torch.long)
+    attention_mask = per_token(lambda s: [1] * len(s), 0, torch.long)
     return TrainBatch(
-        input_ids=per_token(lambda s: s.ids, pad_token_id, torch.long),
+        input_ids=per_token(lambda s: packed.view(s, "ids"), pad_token_id, torch.long),
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
         loss_mask=per_token(Sample.loss_mask, 0.0, torch.float32),
-        rewards=per_token(lambda s: s.rewards if s.rewards is not None else [0.0] * len(s.ids), 0.0, torch.float32),
-        rollout_logprobs=per_token(lambda s: s.logprobs, 0.0, torch.float32),
+        rewards=per_token(lambda s: _or_zeros(packed.view(s, "rewards"), len(s)), 0.0, torch.float32),
+        rollout_logprobs=per_token(lambda s: packed.view(s, "logprobs"), 0.0, torch.float32),
         turn_ids=per_token(Sample.turns, -1, torch.long),
         group=torch.tensor([s.group for s in samples], dtype=torch.long),
         episode=torch.tensor([s.episode for s in samples], dtype=torch.long),
         episode_rewards=torch.tensor([s.episode_reward for s in samples], dtype=torch.float32),
     )
+
+
+def _tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
+    """Per-token values as a tensor: a packed array (`mt_env.packed`) read as its buffer, a list value by value."""
+    if isinstance(values, array) and len(values):
+        return torch.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode]).to(dtype)
+    return torch.tensor(list(values) if isinstance(values, array) else values, dtype=dtype)
+
+
+_ARRAY_DTYPES = {packed.INT_CODE: torch.int64, packed.FLOAT_CODE: torch.float64}
+
+
+def _or_zeros(rewards: Sequence[float] | None, n: int) -> Sequence[float]:
+    return rewards if rewards is not None else [0.0] * n
 
 
 @dataclass(frozen=True)

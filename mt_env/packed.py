@@ -5,9 +5,15 @@ Why: an episode's training samples cross a process boundary when it ends in an e
 driver's process loads them on the rollout's critical path (at its end, the last turns' records all at once, while
 its event loop also sends the last answers). A list of 600 ids pickles as 600 opcodes and loads one int object at a
 time; as an ``array`` it is one bytes copy, and ``tolist`` builds the list in C (a 615-token sample of three turns,
-measured: 83 -> 47 us to load, 63 -> 44-52 us to dump). The lists come back as lists of the same values:
-ids as ints, logprobs and rewards as floats (Python floats are C doubles, so every value, nan and -0.0 included, is
-exact; an int in a float list comes back as that float).
+measured: 83 -> 47 us to load, 63 -> 44-52 us to dump). Loaded, they stay arrays until first read: the lists'
+Python objects — ~1,800 per sample, made one by one and then visited by the garbage collector's young collection —
+are what the driver's process spent its rollout's end on (H200 timeline: records read at 0.22 ms each, then a 16.6
+ms collection), and a consumer that takes arrays (`mt_env.batch.collate`, through `view`) never makes them.
+Measured on the H200 (256 episodes, 5 runs each): driver / engine 0.947 -> 0.953 with 8 env processes in one call,
+0.966 with 4 (`benchmarks/results/h200/driver_knobs/README.md`).
+
+Read as attributes, the lists are the same values: ids as ints, logprobs and rewards as floats (Python floats are C
+doubles, so every value, nan and -0.0 included, is exact; an int in a float list comes back as that float).
 
 A list that does not fit its array type (an id beyond 64 bits, something that is not a number) is pickled as it
 is, so nothing fails here that plain pickling would not.
@@ -19,29 +25,47 @@ from array import array
 from typing import Any
 
 INT_CODE, FLOAT_CODE = "q", "d"  #: int64 and C double
-
-#: experiment (`benchmarks/bench_rollout.py --keep-samples-packed`): loaded objects keep the arrays instead of lists
-#: (then unequal to lists): what the per-token Python objects cost the loading process — their creation and the
-#: garbage collector's passes over them
-KEEP_PACKED = False
+PENDING = "_packed"  #: where a loaded object keeps the per-token arrays not read yet
 
 
 def reduce_packed(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] = ()) -> tuple:
     """A ``__reduce__`` value for a plain object (state in ``__dict__``) whose attributes named in `ints` and
-    `floats` are per-token lists: pickled packed, loaded as lists again (its class kept, ``__init__`` not run)."""
+    `floats` are per-token lists: pickled packed; loaded, each stays an array until it is first read
+    (`unpack_attribute`) — a consumer that takes arrays (`view`) never makes the lists."""
     state = dict(obj.__dict__)
-    for name in ints:
-        state[name] = _packed(INT_CODE, state[name])
-    for name in floats:
-        state[name] = _packed(FLOAT_CODE, state[name])
+    pending = state.pop(PENDING, {})
+    for code, names in ((INT_CODE, ints), (FLOAT_CODE, floats)):
+        for name in names:
+            state[name] = _packed(code, state[name]) if name in state else pending[name]
     return _load, (type(obj), state, ints + floats)
+
+
+def unpack_attribute(obj: Any, name: str) -> Any:
+    """For the class's ``__getattr__``: a per-token attribute still packed, as its list (kept from then on)."""
+    pending = obj.__dict__.get(PENDING)
+    if not pending or name not in pending:
+        raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
+    value = obj.__dict__[name] = pending.pop(name).tolist()
+    if not pending:
+        del obj.__dict__[PENDING]
+    return value
+
+
+def view(obj: Any, name: str) -> Any:
+    """A per-token attribute as it is held: its array while still packed (no Python object per token), else its
+    value."""
+    held = obj.__dict__
+    if name in held:
+        return held[name]
+    pending = held.get(PENDING)
+    return pending[name] if pending and name in pending else getattr(obj, name)
 
 
 def _load(cls: type, state: dict, names: tuple[str, ...]) -> Any:
     obj = cls.__new__(cls)
-    for name in () if KEEP_PACKED else names:
-        if type(state[name]) is array:
-            state[name] = state[name].tolist()
+    pending = {name: state.pop(name) for name in names if type(state[name]) is array}
+    if pending:
+        state[PENDING] = pending
     obj.__dict__.update(state)
     return obj
 

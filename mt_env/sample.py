@@ -61,19 +61,24 @@ class Sample:
     segments: list[Segment] = field(default_factory=list)
     prompt_len: int = 0  #: tokens before the first sampled turn: the prompt, generation prompt included
     n_messages: int = 0  #: template messages this sample covers (for the drift check)
-    rewards: list[float] | None = None  #: token-level rewards, filled by `Conversation.samples()`
+    #: token-level rewards, filled by `Conversation.samples()` (a factory, not a class attribute: a loaded sample's
+    #: packed rewards are then found by `__getattr__`)
+    rewards: list[float] | None = field(default_factory=lambda: None)
     trainable: bool = True  #: False for failed episodes: the loss mask is then all zero
     episode_reward: float = 0.0  #: the whole episode's return (the same on every sample of the episode)
     group: int = -1  #: GRPO group, set by the collector
     episode: int = -1  #: the episode's id in the collected batch, set by the collector
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(packed.view(self, "ids"))
 
     def __reduce__(self):
-        """Pickled with its per-token lists as typed arrays (`mt_env.packed`): records sent by env processes load
-        at the end of a rollout, all at once, on its critical path."""
+        """Pickled with its per-token lists as typed arrays, loaded as arrays until first read (`mt_env.packed`):
+        records sent by env processes load at the end of a rollout, all at once, on its critical path."""
         return packed.reduce_packed(self, ints=("ids",), floats=("logprobs", "rewards"))
+
+    def __getattr__(self, name: str):
+        return packed.unpack_attribute(self, name)  # a per-token list of a loaded sample, read for the first time
 
     def kinds(self) -> list[int]:
         out: list[int] = []

@@ -131,19 +131,21 @@ def test_per_turn_samples_are_what_the_model_saw(fmt, plan):
 def test_samples_come_back_from_a_pickle_as_they_went(fmt, plan, ids, logprobs):
     """Samples cross processes packed (`mt_env.packed`): the same values, types and segments come back — for a real
     conversation's samples, and for per-token lists of any 64-bit ids and floats (a list too large for int64, or a
-    nan, comes back too)."""
+    nan, comes back too) — and a loaded sample holds its per-token values as arrays until they are first read."""
     samples = play(fmt, plan, mode="per_turn").samples()
     odd = Sample(ids=ids + [2**64], logprobs=logprobs + [float("nan")], rewards=None)
     for sample in [*samples, odd, Sample(ids=ids, logprobs=logprobs, rewards=[1.0] * len(ids))]:
         back = pickle.loads(pickle.dumps(sample))
-        assert type(back) is Sample and back.segments == sample.segments
+        assert type(back) is Sample and len(back) == len(sample) and back.segments == sample.segments
         assert all(type(a) is type(b) and a.kind is b.kind for a, b in zip(back.segments, sample.segments))
+        assert ("ids" in vars(back)) == (sample is odd)  # not read yet: an array (the odd ids: a list, as they were)
+        again = pickle.loads(pickle.dumps(back))  # sent on unread
         for name in ("ids", "logprobs", "rewards"):
-            got, want = getattr(back, name), getattr(sample, name)
-            assert type(got) is type(want) and [type(v) for v in got or []] == [type(v) for v in want or []]
-            assert _bits(got) == _bits(want), name
-        assert {k: v for k, v in vars(back).items() if k not in ("ids", "logprobs", "rewards", "segments")} == \
-            {k: v for k, v in vars(sample).items() if k not in ("ids", "logprobs", "rewards", "segments")}
+            for got in (getattr(back, name), getattr(again, name)):
+                want = getattr(sample, name)
+                assert type(got) is type(want) and [type(v) for v in got or []] == [type(v) for v in want or []]
+                assert _bits(got) == _bits(want), name
+        assert sample is odd or back == sample == again  # (nan is unequal to itself)
 
 
 def _bits(values):
@@ -160,6 +162,18 @@ def test_a_pickled_sample_costs_opcodes_per_segment_not_per_token():
         return sum(1 for _ in pickletools.genops(pickle.dumps(sample)))
 
     assert opcodes(10_000) <= opcodes(10) + 8  # a few more: wider ints in the segments, 64 KiB frames
+
+
+@given(plans=st.lists(conversation_plan(max_turns=3), min_size=1, max_size=4))
+def test_loaded_samples_batch_as_the_originals_without_lists(fmt, plans):
+    """`collate` reads a loaded sample's packed arrays as buffers: the same batch, and no per-token list made."""
+    samples = [s for plan in plans for s in play(fmt, plan, mode="per_turn").samples()]
+    loaded = pickle.loads(pickle.dumps(samples))
+    want, got = collate(samples, pad_token_id=0), collate(loaded, pad_token_id=0)
+    for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "rewards", "rollout_logprobs",
+                 "turn_ids", "group", "episode", "episode_rewards"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert all(not {"ids", "logprobs", "rewards"} & set(vars(s)) for s in loaded)
 
 
 def sample_fields(s) -> dict[str, list]:
