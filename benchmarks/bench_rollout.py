@@ -275,6 +275,9 @@ def arguments() -> argparse.Namespace:
                     "prefill's (no cuDNN)")
     ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
                     "(agents.rollout_processes.ProcessRolloutDriver); 0: in this process (RolloutDriver)")
+    ap.add_argument("--first-step", type=int, default=0, help="the rollout step (the episodes' seeds) of the first "
+                    "timed run; run r of the i-th batch size is step first + 1000 i + r (two codes compared on the same "
+                    "steps play the same token work)")
     ap.add_argument("--out", help="write the figures as JSON here")
     return ap.parse_args()
 
@@ -349,7 +352,7 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
-                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes,
+                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes, first_step=args.first_step,
                   decode_attention=args.decode_attention)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
@@ -371,7 +374,7 @@ def measure_sizes(driver, policy: HFPolicy, tasks: list[dict], args, header: dic
     rows, works = [], []  # works[i]: the token work of rows[i] (None after an error)
     for i, batch in enumerate(args.batch):
         try:
-            row, work = measure(driver, policy, tasks[:batch], args, step=1000 * i)
+            row, work = measure(driver, policy, tasks[:batch], args, step=args.first_step + 1000 * i)
         except Exception as e:  # record it and go on with the next size
             row, work = dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()), None
         rows.append(row)

@@ -3,6 +3,10 @@
 #   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes with generate + CUDA tests
 #   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
 #                                        # generate), with its env work in 4, then 8 processes
+#   bash benchmarks/run_gpu.sh ab256 DIR 4 2  # 1 GPU: the same at 256 episodes for the code in DIR (e.g. `git archive
+#                                        # <commit> | tar -x -C DIR`, with this checkout's bench_rollout.py copied in)
+#                                        # and this checkout's, in turn, 2 rounds; round r plays steps 10r..10r+4 on
+#                                        # both sides (the same token work, paired run by run)
 #   bash benchmarks/run_gpu.sh step1     # 1 GPU: RL step + prefill passes by shape, profiled + CUDA trainer tests
 #   bash benchmarks/run_gpu.sh single    # 2 GPUs, one chain each: engine check + rollout (env work in 4
 #                                        # processes, then in one) | CUDA tests + RL step
@@ -57,6 +61,17 @@ case "${1:-}" in
         > "$OUT/rollout_256_p$p.txt" 2>&1
       echo "bench_rollout, $p env processes: rc=$?"; grep "^  256\|runs:" "$OUT/rollout_256_p$p.txt"
     done ;;
+  ab256)
+    other=$(realpath "$2"); p=${3:-4}; out=$(realpath "$OUT")
+    for r in $(seq 1 "${4:-2}"); do
+      for side in other this; do
+        dir=.; [ "$side" = other ] && dir=$other
+        (cd "$dir" && timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 \
+          --new-tokens 128 --env-processes "$p" --repeats 5 --first-step $((10 * r)) --no-hf-static \
+          --out "$out/ab_${side}_p${p}_r$r.json" > "$out/ab_${side}_p${p}_r$r.txt" 2>&1)
+        echo "bench_rollout, $side, round $r: rc=$?"; grep "^  256\|runs:" "$out/ab_${side}_p${p}_r$r.txt"
+      done
+    done ;;
   step1)
     timeout 200 python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" > "$OUT/rl_step.txt" 2>&1
     echo "bench_rl_step rc=$?"; tail -9 "$OUT/rl_step.txt"
@@ -87,5 +102,5 @@ case "${1:-}" in
     { variant default 1; variant wait8 1 --admit-wait-steps 8; variant cap100 1 --gather-cap 100; } &
     wait
     for f in "$OUT"/rollout.txt "$OUT"/driver_*.txt; do echo "== $f"; grep -A12 "^batch" "$f" | grep -v Warn; tail -2 "$f"; done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|single|scaling|fsdp|driver" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|driver256|ab256|step1|single|scaling|fsdp|driver" >&2; exit 2 ;;
 esac
