@@ -275,9 +275,9 @@ def arguments() -> argparse.Namespace:
                     "prefill's (no cuDNN)")
     ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
                     "(agents.rollout_processes.ProcessRolloutDriver); 0: in this process (RolloutDriver)")
-    ap.add_argument("--first-step", type=int, default=0, help="the rollout step (the episodes' seeds) of the first "
-                    "timed run; run r of the i-th batch size is step first + 1000 i + r (two codes compared on the same "
-                    "steps play the same token work)")
+    ap.add_argument("--first-step", type=int, default=0, help="the rollout step (the episodes' seeds) of the "
+                    "first timed run; run r of the i-th batch size is step first + 1000 i + r (two codes compared on "
+                    "the same steps play the same token work)")
     ap.add_argument("--out", help="write the figures as JSON here")
     return ap.parse_args()
 
