@@ -172,13 +172,17 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     generator: random.Random | None = None  #: the row's own uniform draws (seeded: reproducible samples)
     started: float | None = None
-    cancelled: bool = False  #: set by the caller's task when it is cancelled; the worker then drops the row
     finished: bool = False  #: its outcome is decided (it settles with the next `_settle_done`)
     arrival_step: int = 0  #: the worker's decode-step count when it took the request
     mode: int = field(init=False)  #: index in SAMPLING_MODES of the `sample_tokens` mode the row needs (0: greedy)
 
     def __post_init__(self):
         self.mode = SAMPLING_MODES.index(sampling_mode([self.params]))
+
+    @property
+    def cancelled(self) -> bool:
+        """The caller cancelled its future (read by the worker, which then drops the row)."""
+        return self.future.cancelled()
 
     def settlement(self, outcome: str | BaseException) -> Settlement:
         """How the caller's future settles: with its ModelTurn for a finish reason, or raising an exception."""
@@ -383,7 +387,23 @@ class HFPolicy(Policy):
 
     # ----------------------------------------------------------------------------------------- public API
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
-        params = params or SamplingParams()
+        return await self.submit(prompt_ids, params)
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> asyncio.Future[ModelTurn]:
+        """`Policy.submit`: the request is checked and queued for the worker now (a bad one's error is the
+        future's); cancelling the future drops its row at the worker's next step."""
+        loop = asyncio.get_running_loop()
+        try:
+            request = self._request(prompt_ids, params or SamplingParams(), loop)
+            self._submit(request)
+        except Exception as e:
+            failed = loop.create_future()
+            failed.set_exception(e)
+            return failed
+        return request.future
+
+    def _request(self, prompt_ids: Sequence[int], params: SamplingParams, loop: asyncio.AbstractEventLoop) -> _Request:
+        """A request for the worker, or ValueError saying what is wrong with it."""
         prompt = check_prompt_ids(prompt_ids, self.vocab_size)
         bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stop:
@@ -393,15 +413,8 @@ class HFPolicy(Policy):
             limit = " (the fast path's max_cache_len)" if self.fast_path else ""
             raise ValueError(f"the prompt is {len(prompt)} tokens: no room left in the context of "
                              f"{self.max_context_len} tokens{limit}")
-        loop = asyncio.get_running_loop()
-        request = _Request(prompt, params, min(params.max_new_tokens, room), loop.create_future(), loop,
-                           time.perf_counter())
-        self._submit(request)
-        try:
-            return await request.future
-        except asyncio.CancelledError:
-            request.cancelled = True
-            raise
+        return _Request(prompt, params, min(params.max_new_tokens, room), loop.create_future(), loop,
+                        time.perf_counter())
 
     async def close(self) -> None:
         """Stop the worker: requests in flight end with ``"abort"`` and their partial output."""

@@ -110,6 +110,14 @@ class Policy(abc.ABC):
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         """Sample a continuation of `prompt_ids` (default `SamplingParams()`)."""
 
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> asyncio.Future[ModelTurn]:
+        """`generate` started now, from the running event loop's thread, as a future of its ModelTurn (cancelling
+        the future cancels the generation). For callers that start many generations from one callback, e.g. a
+        burst of requests read from a pipe (`agents.rollout_processes`): here `generate` runs as a task, whose
+        first step — where a backend takes the request — waits for the event loop's next pass; a backend that
+        takes requests synchronously overrides this so that each reaches it as soon as it is submitted."""
+        return asyncio.ensure_future(self.generate(prompt_ids, params))
+
     async def generate_many(
         self,
         prompts: Sequence[Sequence[int]],

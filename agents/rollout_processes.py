@@ -175,7 +175,7 @@ class _EnvProcess:
         back as the episode ends (unpickled here while the others play, not all at once after the last)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        answers: dict[int, asyncio.Task] = {}
+        answers: dict[int, asyncio.Future] = {}
         finished: dict[EpisodeId, EpisodeRecord] = {}
 
         def arrived(record: EpisodeRecord) -> None:
@@ -201,21 +201,24 @@ class _EnvProcess:
             spent = await done
         finally:
             loop.remove_reader(self.conn.fileno())
-            for task in answers.values():
-                task.cancel()
+            for future in list(answers.values()):
+                future.cancel()
         self.idle = True
         return [finished[e] for e in ids], spent  # its RolloutDriver reports every episode before the result
 
-    def _handle(self, message: tuple, policy: Policy, answers: dict[int, asyncio.Task], done: asyncio.Future,
+    def _handle(self, message: tuple, policy: Policy, answers: dict[int, asyncio.Future], done: asyncio.Future,
                 arrived: Callable[[EpisodeRecord], None]) -> None:
         kind, *body = message
         if kind == "generate":
             key, prompt_ids, params = body
-            answers[key] = asyncio.ensure_future(self._answer(key, prompt_ids, params, policy, answers))
+            # submitted now, not at the event loop's next pass: a burst of requests read here reaches the engine
+            # as it is read, so that the engine's gathering sees it arrive without gaps (and no task per request)
+            answers[key] = future = policy.submit(prompt_ids, params)
+            future.add_done_callback(functools.partial(self._answer, key, answers))
         elif kind == "cancel":
-            task = answers.pop(body[0], None)
-            if task is not None:
-                task.cancel()
+            future = answers.pop(body[0], None)
+            if future is not None:
+                future.cancel()
         elif kind == "finished":
             arrived(body[0])
         elif kind == "result":
@@ -223,16 +226,15 @@ class _EnvProcess:
         elif kind == "error":
             done.set_exception(body[0])
 
-    async def _answer(self, key: int, prompt_ids: list[int], params: SamplingParams, policy: Policy,
-                      answers: dict[int, asyncio.Task]) -> None:
-        try:
-            turn = await policy.generate(prompt_ids, params)
-        except Exception as e:  # raised in the env process, where the in-process driver would have seen it
-            self._reply(("failed", key, portable(e, EnvProcessError)))
-        else:
-            self._reply(("turn", key, turn))
-        finally:
-            answers.pop(key, None)
+    def _answer(self, key: int, answers: dict[int, asyncio.Future], future: asyncio.Future) -> None:
+        """Send a generation's outcome: its ModelTurn, or its error (raised in the env process, where the
+        in-process driver would have seen it); a cancelled one (by its env process, or with the share) is not
+        answered."""
+        answers.pop(key, None)
+        if future.cancelled():
+            return
+        error = future.exception()
+        self._reply(("failed", key, portable(error, EnvProcessError)) if error else ("turn", key, future.result()))
 
     def _reply(self, answer: tuple) -> None:
         """Send an answer with the others settled in this pass of the event loop, in one message: an engine settles

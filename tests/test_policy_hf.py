@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -535,6 +536,42 @@ def test_cancelled_request_does_not_disturb_the_others(model, engine):
             return await kept
 
     assert run(main()).ids == greedy_by_hand(model, PROMPTS[1], 12)
+
+
+def test_a_submitted_request_reaches_the_worker_before_the_event_loop_runs_again(model, engine):
+    """`submit` hands the request to the worker at once: the worker prefills it while the event loop's thread is
+    still in the code that submitted it (a burst of requests read in one callback reaches the engine as it is read,
+    not at the loop's next pass, as a task's first step would)."""
+    async def main():
+        async with HFPolicy(model, **engine) as policy:
+            before = policy.stats["prefill_passes"]
+            future = policy.submit(PROMPTS[0], GREEDY)
+            deadline = time.monotonic() + 20  # no await until then: this thread holds the event loop
+            while policy.stats["prefill_passes"] == before and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return policy.stats["prefill_passes"] - before, await future
+
+    prefilled, turn = run(main())
+    assert prefilled == 1
+    assert turn.ids == greedy_by_hand(model, PROMPTS[0], 12)
+
+
+def test_cancelling_a_submitted_future_drops_its_row(model, engine):
+    async def main():
+        async with HFPolicy(model, **engine) as policy:
+            doomed = policy.submit(PROMPTS[0], GREEDY.replace(max_new_tokens=300))
+            kept = policy.submit(PROMPTS[1], GREEDY)
+            while passes(policy) < 3:
+                await asyncio.sleep(0.001)
+            doomed.cancel()
+            turn = await kept
+            with counted(policy) as later:
+                await policy.generate(PROMPTS[2], GREEDY)
+            return turn, later
+
+    turn, later = run(main())
+    assert turn.ids == greedy_by_hand(model, PROMPTS[1], 12)
+    assert later["decoded_rows"] == later["decode_passes"] > 0  # one row a step: the cancelled one left
 
 
 # ------------------------------------------------------------------------------------------------- integration
