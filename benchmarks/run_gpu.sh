@@ -2,7 +2,8 @@
 # The GPU measurements behind the README's figures, in the groups they were run (each fits a 10-minute call).
 #   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes with generate + CUDA tests
 #   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
-#                                        # generate), with its env work in 4, then 8 processes
+#                                        # generate), with its env work in 4, then 8 processes (FIRST_STEP=10: steps
+#                                        # 10-14, as ab256's first round)
 #   bash benchmarks/run_gpu.sh ab256 DIR 4 2  # 1 GPU: the same at 256 episodes for the code in DIR (e.g. `git archive
 #                                        # <commit> | tar -x -C DIR`, with this checkout's bench_rollout.py copied in)
 #                                        # and this checkout's, in turn, 2 rounds; round r plays steps 10r..10r+4 on
@@ -57,8 +58,8 @@ case "${1:-}" in
     shift
     for p in "${@:-4}"; do
       timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 --new-tokens 128 \
-        --env-processes "$p" --repeats 5 --no-hf-static --out "$OUT/rollout_256_p$p.json" \
-        > "$OUT/rollout_256_p$p.txt" 2>&1
+        --env-processes "$p" --repeats 5 --first-step "${FIRST_STEP:-0}" --no-hf-static \
+        --out "$OUT/rollout_256_p$p.json" > "$OUT/rollout_256_p$p.txt" 2>&1
       echo "bench_rollout, $p env processes: rc=$?"; grep "^  256\|runs:" "$OUT/rollout_256_p$p.txt"
     done ;;
   ab256)
