@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU measurements behind the README's figures, in the groups they were run (each fits a 10-minute call).
-#   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes with generate + CUDA tests
+#   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes (env work in 8 processes)
+#                                        # with generate + CUDA tests
 #   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
 #                                        # generate), with its env work in 4, then 8 processes (FIRST_STEP=10: steps
 #                                        # 10-14, as ab256's first round)
@@ -49,7 +50,7 @@ single_gpu1() {
 case "${1:-}" in
   rollout1)
     timeout 400 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 512 \
-      --new-tokens 128 --env-processes 4 --repeats 5 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1
+      --new-tokens 128 --env-processes 8 --repeats 5 --out "$OUT/rollout.json" > "$OUT/rollout.txt" 2>&1
     echo "bench_rollout rc=$?"; grep -v "Warn\|warn" "$OUT/rollout.txt" | tail -24
     MT_ENV_TEST_DEVICE=cuda timeout 170 python3 -m pytest tests/test_fast_decode.py tests/test_policy_hf.py \
       -q -x -p no:cacheprovider > "$OUT/cuda_tests.txt" 2>&1; echo "cuda tests rc=$?"  # the trainer's: step1
