@@ -9,8 +9,10 @@ measured: 83 -> 47 us to load, 63 -> 44-52 us to dump). Loaded, they stay arrays
 Python objects — ~1,800 per sample, made one by one and then visited by the garbage collector's young collection —
 are what the driver's process spent its rollout's end on (H200 timeline: records read at 0.22 ms each, then a 16.6
 ms collection), and a consumer that takes arrays (`mt_env.batch.collate`, through `view`) never makes them.
-Measured on the H200 (256 episodes, 5 runs each): driver / engine 0.947 -> 0.953 with 8 env processes in one call,
-0.966 with 4 (`benchmarks/results/h200/driver_knobs/README.md`).
+Measured on the H200 (256 episodes; `benchmarks/results/h200/driver_knobs/README.md`): with 8 env processes the
+records were read at 0.09 instead of 0.22 ms each, then a 1.8 instead of a 16.6 ms collection (timelines), and
+driver / engine 0.947 -> 0.953 in one call; with 4 processes no gain (10 runs paired on the same seeds: 0.944
+against 0.946), as each process's own share of the last step's episodes then takes as long as the reading.
 
 Read as attributes, the lists are the same values: ids as ints, logprobs and rewards as floats (Python floats are C
 doubles, so every value, nan and -0.0 included, is exact; an int in a float list comes back as that float).
