@@ -43,13 +43,18 @@ def reduce_packed(obj: Any, ints: tuple[str, ...] = (), floats: tuple[str, ...] 
 
 
 def unpack_attribute(obj: Any, name: str) -> Any:
-    """For the class's ``__getattr__``: a per-token attribute still packed, as its list (kept from then on)."""
-    pending = obj.__dict__.get(PENDING)
+    """For the class's ``__getattr__``: a per-token attribute still packed, as its list (kept from then on). Threads
+    reading it for the first time together get the same list: it is stored before its array is dropped."""
+    held = obj.__dict__
+    pending = held.get(PENDING)
     if not pending or name not in pending:
+        if name in held:  # another thread unpacked it since this lookup missed it
+            return held[name]
         raise AttributeError(f"{type(obj).__name__!r} object has no attribute {name!r}")
-    value = obj.__dict__[name] = pending.pop(name).tolist()
+    value = held.setdefault(name, pending[name].tolist())
+    pending.pop(name, None)
     if not pending:
-        del obj.__dict__[PENDING]
+        held.pop(PENDING, None)
     return value
 
 

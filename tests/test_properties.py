@@ -10,6 +10,8 @@ from __future__ import annotations
 import pickle
 import pickletools
 import struct
+import sys
+import threading
 import unicodedata
 
 import pytest
@@ -162,6 +164,34 @@ def test_a_pickled_sample_costs_opcodes_per_segment_not_per_token():
         return sum(1 for _ in pickletools.genops(pickle.dumps(sample)))
 
     assert opcodes(10_000) <= opcodes(10) + 8  # a few more: wider ints in the segments, 64 KiB frames
+
+
+def test_threads_reading_a_loaded_sample_first_get_one_list():
+    """Threads that read a loaded sample's packed list at the same moment (its first read) each get its values, and
+    the same list: none finds the attribute missing between its array's removal and its list's arrival."""
+    sample = Sample(ids=list(range(2000)), logprobs=[-0.5] * 2000, segments=[Segment(Seg.SAMPLED, 0, 0, 2000, "s")])
+    blob, interval = pickle.dumps(sample), sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter can: the window is hit if it exists
+    try:
+        for _ in range(50):
+            loaded, barrier, got, errors = pickle.loads(blob), threading.Barrier(4), [], []
+
+            def read(loaded=loaded, barrier=barrier, got=got, errors=errors):
+                barrier.wait()
+                try:
+                    got.append(loaded.ids)
+                except AttributeError as e:
+                    errors.append(e)
+
+            threads = [threading.Thread(target=read) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors
+            assert len(got) == 4 and all(g is got[0] for g in got) and got[0] == sample.ids
+    finally:
+        sys.setswitchinterval(interval)
 
 
 @given(plans=st.lists(conversation_plan(max_turns=3), min_size=1, max_size=4))
