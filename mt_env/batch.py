@@ -105,8 +105,9 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
 
 
 def _tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-    """Per-token values as a tensor: a packed array (`mt_env.packed`) read as its buffer, a list value by value."""
-    if isinstance(values, array) and len(values):
+    """Per-token values as a tensor: a packed array (`mt_env.packed`) read as its buffer, any other sequence (a
+    list, an array of another type set by hand) value by value."""
+    if isinstance(values, array) and values.typecode in _ARRAY_DTYPES and len(values):
         return torch.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode]).to(dtype)
     return torch.tensor(list(values) if isinstance(values, array) else values, dtype=dtype)
 

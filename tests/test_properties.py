@@ -13,6 +13,7 @@ import struct
 import sys
 import threading
 import unicodedata
+from array import array
 
 import pytest
 import torch
@@ -204,6 +205,18 @@ def test_loaded_samples_batch_as_the_originals_without_lists(fmt, plans):
                  "turn_ids", "group", "episode", "episode_rewards"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert all(not {"ids", "logprobs", "rewards"} & set(vars(s)) for s in loaded)
+
+
+def test_a_sample_holding_arrays_of_other_types_batches_as_with_lists():
+    """Per-token values set by hand as arrays of another type than the packed ones (int32 ids, float32 logprobs)
+    batch as the same values in lists do."""
+    def sample(ids, logprobs):
+        return Sample(ids=ids, logprobs=logprobs, segments=[Segment(Seg.PROMPT, -1, 0, 2, "p"),
+                                                            Segment(Seg.SAMPLED, 0, 2, 4, "s")])
+
+    want = collate([sample([5, 6, 7, 8], [0.0, 0.0, -0.5, -0.25])], pad_token_id=0)
+    got = collate([sample(array("i", [5, 6, 7, 8]), array("f", [0.0, 0.0, -0.5, -0.25]))], pad_token_id=0)
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.rollout_logprobs, want.rollout_logprobs)
 
 
 def sample_fields(s) -> dict[str, list]:
