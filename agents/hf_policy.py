@@ -391,7 +391,8 @@ class HFPolicy(Policy):
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> asyncio.Future[ModelTurn]:
         """`Policy.submit`: the request is checked and queued for the worker now (a bad one's error is the
-        future's); cancelling the future drops its row at the worker's next step."""
+        future's); cancelling the future drops its row at the worker's next step. Every generation starts here
+        (`generate` awaits it; `ProcessRolloutDriver` calls it directly): a subclass changes requests here."""
         loop = asyncio.get_running_loop()
         try:
             request = self._request(prompt_ids, params or SamplingParams(), loop)

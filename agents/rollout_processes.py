@@ -201,8 +201,9 @@ class _EnvProcess:
             spent = await done
         finally:
             loop.remove_reader(self.conn.fileno())
-            for future in list(answers.values()):
+            for future in answers.values():
                 future.cancel()
+            answers.clear()  # a generation that ended before its cancel is not answered either (`_answer`)
         self.idle = True
         return [finished[e] for e in ids], spent  # its RolloutDriver reports every episode before the result
 
@@ -230,11 +231,16 @@ class _EnvProcess:
         """Send a generation's outcome: its ModelTurn, or its error (raised in the env process, where the
         in-process driver would have seen it); a cancelled one (by its env process, or with the share) is not
         answered."""
-        answers.pop(key, None)
+        wanted = answers.pop(key, None) is not None  # not when its cancel, or its share's end, came after it ended
         if future.cancelled():
             return
-        error = future.exception()
-        self._reply(("failed", key, portable(error, EnvProcessError)) if error else ("turn", key, future.result()))
+        error = future.exception()  # retrieved even when not sent: no "exception never retrieved" at collection
+        if not wanted:
+            return
+        if error is not None:
+            self._reply(("failed", key, portable(error, EnvProcessError)))
+        else:
+            self._reply(("turn", key, future.result()))
 
     def _reply(self, answer: tuple) -> None:
         """Send an answer with the others settled in this pass of the event loop, in one message: an engine settles
