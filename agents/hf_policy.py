@@ -160,12 +160,30 @@ def _resolve(loop: asyncio.AbstractEventLoop, settlements: list[Settlement]) -> 
         pass
 
 
+class _RequestFuture(asyncio.Future):
+    """A request's future that records in a slot that its caller cancelled it (the future itself, or the task that
+    awaits it): the worker, which then drops the row, reads that for every row at every step, where a slot costs a
+    fraction of a `cancelled()` call."""
+
+    __slots__ = ("withdrawn",)
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        super().__init__(loop=loop)
+        self.withdrawn = False
+
+    def cancel(self, msg: Any = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self.withdrawn = True
+        return True
+
+
 @dataclass(eq=False)
 class _Request:
     prompt: list[int]
     params: SamplingParams
     max_new_tokens: int  #: `params.max_new_tokens`, capped by the model's context length
-    future: asyncio.Future
+    future: _RequestFuture
     loop: asyncio.AbstractEventLoop
     submitted: float
     ids: list[int] = field(default_factory=list)
@@ -178,11 +196,6 @@ class _Request:
 
     def __post_init__(self):
         self.mode = SAMPLING_MODES.index(sampling_mode([self.params]))
-
-    @property
-    def cancelled(self) -> bool:
-        """The caller cancelled its future (read by the worker, which then drops the row)."""
-        return self.future.cancelled()
 
     def settlement(self, outcome: str | BaseException) -> Settlement:
         """How the caller's future settles: with its ModelTurn for a finish reason, or raising an exception."""
@@ -414,7 +427,7 @@ class HFPolicy(Policy):
             limit = " (the fast path's max_cache_len)" if self.fast_path else ""
             raise ValueError(f"the prompt is {len(prompt)} tokens: no room left in the context of "
                              f"{self.max_context_len} tokens{limit}")
-        return _Request(prompt, params, min(params.max_new_tokens, room), loop.create_future(), loop,
+        return _Request(prompt, params, min(params.max_new_tokens, room), _RequestFuture(loop), loop,
                         time.perf_counter())
 
     async def close(self) -> None:
@@ -671,12 +684,12 @@ class HFPolicy(Policy):
         return requests
 
     def _drop_cancelled(self) -> None:
-        self._waiting = [r for r in self._waiting if not r.cancelled]
+        self._waiting = [r for r in self._waiting if not r.future.withdrawn]
         if self._slots is not None:
-            self._free_slots([slot for slot, r in self._slots.occupied() if r.cancelled])
+            self._free_slots([slot for slot, r in self._slots.occupied() if r.future.withdrawn])
         for batch in list(self._batches):
-            if any(r.cancelled for r in batch.rows):
-                self._keep_rows(batch, [i for i, r in enumerate(batch.rows) if not r.cancelled])
+            if any(r.future.withdrawn for r in batch.rows):
+                self._keep_rows(batch, [i for i, r in enumerate(batch.rows) if not r.future.withdrawn])
                 if not batch.rows:
                     self._batches.remove(batch)
 
@@ -707,7 +720,7 @@ class HFPolicy(Policy):
                 self._finish(request, "stop")
             elif len(request.ids) >= request.max_new_tokens:
                 self._finish(request, "length")
-            elif not request.cancelled:
+            elif not request.future.withdrawn:
                 keep.append(i)
         return keep
 
@@ -820,7 +833,7 @@ class HFPolicy(Policy):
         rows that ended (or were cancelled) since its launch count as wasted."""
         if launched is None:
             return
-        live = [(slot, r) for slot, r in launched.rows if not (r.finished or r.cancelled)]
+        live = [(slot, r) for slot, r in launched.rows if not (r.finished or r.future.withdrawn)]
         rows = [r for _, r in live]
         self.stats["decoded_rows"] += len(live)
         self.stats["wasted_rows"] += len(launched.rows) - len(live)
