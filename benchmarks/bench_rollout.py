@@ -352,8 +352,8 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
-                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes, first_step=args.first_step,
-                  decode_attention=args.decode_attention)
+                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes,
+                  first_step=args.first_step, decode_attention=args.decode_attention)
     print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "

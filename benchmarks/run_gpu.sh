@@ -29,6 +29,7 @@ if [ -d .whl ]; then
     && export PYTHONPATH=/tmp/site || exit 1
 fi
 mkdir -p "$OUT"
+OUT=$(realpath "$OUT")  # the same folder from another code's directory (ab256)
 
 single_gpu0() {
   timeout 200 python3 benchmarks/gpu_engine_check.py --quick --out "$OUT/gpu_engine_check.json" \
@@ -47,6 +48,13 @@ single_gpu1() {
   echo "bench_rl_step rc=$?"
 }
 
+rollout256() {  # code dir, env processes, first step, name: the driver vs the engine at 256 episodes, 5 runs
+  (cd "$1" && timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 \
+    --new-tokens 128 --env-processes "$2" --repeats 5 --first-step "$3" --no-hf-static --out "$OUT/$4.json" \
+    > "$OUT/$4.txt" 2>&1)
+  local rc=$?; grep "^  256\|runs:" "$OUT/$4.txt"; return $rc
+}
+
 case "${1:-}" in
   rollout1)
     timeout 400 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 64 256 512 \
@@ -58,21 +66,13 @@ case "${1:-}" in
   driver256)
     shift
     for p in "${@:-4}"; do
-      timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 --new-tokens 128 \
-        --env-processes "$p" --repeats 5 --first-step "${FIRST_STEP:-0}" --no-hf-static \
-        --out "$OUT/rollout_256_p$p.json" > "$OUT/rollout_256_p$p.txt" 2>&1
-      echo "bench_rollout, $p env processes: rc=$?"; grep "^  256\|runs:" "$OUT/rollout_256_p$p.txt"
+      rollout256 . "$p" "${FIRST_STEP:-0}" "rollout_256_p$p"; echo "bench_rollout, $p env processes: rc=$?"
     done ;;
   ab256)
-    other=$(realpath "$2"); p=${3:-4}; out=$(realpath "$OUT")
+    other=$(realpath "$2"); p=${3:-4}
     for r in $(seq 1 "${4:-2}"); do
-      for side in other this; do
-        dir=.; [ "$side" = other ] && dir=$other
-        (cd "$dir" && timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 \
-          --new-tokens 128 --env-processes "$p" --repeats 5 --first-step $((10 * r)) --no-hf-static \
-          --out "$out/ab_${side}_p${p}_r$r.json" > "$out/ab_${side}_p${p}_r$r.txt" 2>&1)
-        echo "bench_rollout, $side, round $r: rc=$?"; grep "^  256\|runs:" "$out/ab_${side}_p${p}_r$r.txt"
-      done
+      rollout256 "$other" "$p" $((10 * r)) "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
+      rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
   step1)
     timeout 200 python3 benchmarks/bench_rl_step.py --out "$OUT/rl_step.json" > "$OUT/rl_step.txt" 2>&1
