@@ -193,7 +193,7 @@ class Engine:
         if moves:
             self.runner.move(moves)
             self.stats["compaction_moves"] += len(moves)
-        plan = self._plan({seq for _, seq in previous.rows} if previous else set(), previous)
+        plan, previous = self._plan(previous)
         if plan is None:
             self._collect(previous)
             return
@@ -217,22 +217,24 @@ class Engine:
             self._collect(previous)
             self._collect(launched)
 
-    def _plan(self, ahead: set[Sequence], previous: _InFlight | None) -> Decode | None:
-        """The next step's plan; when blocks run short, the step in flight is collected first (`previous`: it may
-        finish rows, freeing theirs) and the newest sequences are preempted until the step fits."""
+    def _plan(self, previous: _InFlight | None) -> tuple[Decode | None, _InFlight | None]:
+        """The next step's plan, and the step still in flight. When blocks run short, the step in flight is
+        collected first (it may finish rows, freeing theirs), then the newest sequences are preempted until the
+        step fits."""
         while True:
             try:
-                return self.scheduler.plan_decode(ahead)
+                ahead = {seq for _, seq in previous.rows} if previous is not None else set()
+                return self.scheduler.plan_decode(ahead), previous
             except _ShortOfBlocks:
                 if previous is not None:
                     self._collect(previous)
-                    previous, ahead = None, set()
+                    previous = None
                     continue
                 slot = self.scheduler.preempt()
                 if slot is None:
                     self._fail_running("decoding", GenerationError(
                         f"one sequence needs more KV blocks than the pool's {self.pool.num_blocks - 1}"))
-                    return None
+                    return None, None
                 self.runner.free([slot])
 
     def _collect(self, launched: _InFlight | None) -> None:
