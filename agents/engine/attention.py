@@ -29,9 +29,9 @@ def decode_inputs(table: torch.Tensor, at: torch.Tensor, length: int, block_size
                   dtype: torch.dtype) -> tuple:
     """What `decode_attention` needs for rows whose query is at position `at` [rows] (attending to [0, at]), built
     once per step and shared by the layers: ``"gather"``: the flat positions [rows, length] and the additive mask
-    [rows, 1, 1, length]; ``"triton"``: the table, the attended lengths and the block size."""
+    [rows, 1, 1, length]; ``"triton"``: the table, the attended lengths, the block size and `length`."""
     if kernel == "triton":
-        return table, at + 1, block_size
+        return table, at + 1, block_size, length
     positions = torch.arange(length, device=table.device)
     hidden = (positions[None, :] > at[:, None])[:, None, None, :]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=table.device).masked_fill_(hidden, float("-inf"))
@@ -45,8 +45,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if kernel == "triton":
         from .triton_attention import paged_decode_attention
 
-        table, lengths, block_size = attend
-        return paged_decode_attention(q, keys, values, table, lengths, scale, block_size)
+        table, lengths, block_size, length = attend
+        return paged_decode_attention(q, keys, values, table, lengths, scale, block_size, length)
     read_at, mask = attend
     rows, heads, dim = q.shape
     kv_heads = keys.shape[1]

@@ -45,9 +45,9 @@ def step_inputs(embed: nn.Module, rotary: nn.Module, tokens: torch.Tensor, lengt
     at = lengths.clamp(max=length - 1)
     x = embed(tokens[:, None])
     cos, sin = rotary(x, at[:, None])
-    table = table.long()
-    write_at = flat_positions(table, at[:, None], block_size)[:, 0]
-    attend = attention.decode_inputs(table, at, length, block_size, kernel, x.dtype)
+    write_at = flat_positions(table, at[:, None], block_size)[:, 0].long()
+    attend = attention.decode_inputs(table if kernel == "triton" else table.long(), at, length, block_size, kernel,
+                                     x.dtype)
     return x, cos, sin, write_at, attend
 
 

@@ -120,7 +120,7 @@ class ModelRunner:
             stats.setdefault(key, 0)
         device = module_device(model)
         self.compiles = config.compile is True or (config.compile == "auto" and device.type == "cuda")
-        self.kernel = _attention_kernel(config.attention, device)
+        self.kernel = _attention_kernel(config.attention, device, layout.head_dim)
         self._functions = {fn.__name__: compiled(fn) if self.compiles else fn for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.graphs = CudaGraphs(device, stats) if config.cuda_graphs and device.type == "cuda" else None
@@ -462,9 +462,11 @@ def prefill_graph_key(rows: int, width: int, read: int, max_context_len: int) ->
     return rows, graph_width, power(read) if read else 0
 
 
-def _attention_kernel(choice: str, device: torch.device) -> str:
-    """The decode attention kernel for `choice` on `device` (``"auto"``: Triton on CUDA where it imports)."""
-    if choice == "gather" or (choice == "auto" and device.type != "cuda"):
+def _attention_kernel(choice: str, device: torch.device, head_dim: int) -> str:
+    """The decode attention kernel for `choice` on `device` (``"auto"``: Triton on CUDA where it imports and the
+    head dimension is a power of two of at least 16)."""
+    if choice == "gather" or (choice == "auto" and (device.type != "cuda" or head_dim < 16
+                                                    or head_dim & (head_dim - 1))):
         return "gather"
     try:
         from . import triton_attention  # noqa: F401
