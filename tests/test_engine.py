@@ -35,7 +35,7 @@ from agents.engine.graphs import CAPTURE_ON_USE, stand_in
 from agents.engine.layers import COMPILED_FUNCTIONS, STEP_FUNCTIONS
 from agents.engine.model_runner import ModelRunner, PrefillRow, prefill_graph_key, prefill_width
 from agents.engine.sampler import SAMPLING_MODES, RowSampling, sample_tokens
-from agents.engine.scheduler import SlotTable, batch_buckets, bucket_for, one_prefill_pass_takes
+from agents.engine.scheduler import SlotTable, batch_buckets, bucket_for
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 

@@ -269,7 +269,7 @@ class ModelRunner:
         """One pass over the uncached tokens of `rows`: their K/V written into their blocks, each row's first token
         sampled from its last position. The slots then feed those tokens at the sequences' lengths."""
         self.allocate()
-        s, bs = self._state, self.block_size
+        s = self._state
         device = s.live.device
         news = [len(r.tokens) - r.cached for r in rows]
         width = prefill_width(max(news), self.max_context_len)
