@@ -76,14 +76,29 @@ class BlockPool:
             parent = (block, self.incarnation[block])
         return found
 
-    def register(self, blocks: Sequence[int], tokens: Sequence[int], written: int) -> None:
+    def match_partial(self, tokens: Sequence[int], parent: int | None, start: int, limit: int) -> tuple[int, int]:
+        """A cached partial block continuing the chain after `parent` (the last block `match` found, None for the
+        first) with the longest run of ``tokens[start:limit]`` a released sequence left in it: (block, tokens
+        it holds), or (0, 0). Only unreferenced blocks qualify: the caller takes it over (`take`) and writes on."""
+        if not self.prefix_cache:
+            return NULL_BLOCK, 0
+        ident = None if parent is None else (parent, self.incarnation[parent])
+        for n in range(min(self.block_size - 1, limit - start), 0, -1):
+            block = self.index.get((ident, tuple(tokens[start:start + n])))
+            if block is not None and self.refs[block] == 0:
+                return block, n
+        return NULL_BLOCK, 0
+
+    def register(self, blocks: Sequence[int], tokens: Sequence[int], written: int, partial: bool = False) -> None:
         """Register the full blocks among the first `written` positions of a sequence holding `blocks` for
-        `tokens`. A block whose content is registered already (another sequence's identical block) stays
-        unregistered, and the chain continues through the registered one."""
+        `tokens`; with `partial` (a sequence ending), also its last, partly written block, which a continuation
+        of the same tokens can take over (`match_partial`). A block whose content is registered already (another
+        sequence's identical block) stays unregistered, and the chain continues through the registered one."""
         if not self.prefix_cache:
             return
         bs, parent = self.block_size, None
-        for i in range(min(written // bs, len(blocks))):
+        full = min(written // bs, len(blocks))
+        for i in range(full):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             block = self.index.get(key)
             if block is None:
@@ -92,6 +107,17 @@ class BlockPool:
                     return
                 self.index[key], self.key[block] = block, key
             parent = (block, self.incarnation[block])
+        if partial and full < len(blocks) and written % bs and full == written // bs:
+            block, key = blocks[full], (parent, tuple(tokens[full * bs:written]))
+            if self.key[block] is None and self.refs[block] == 1 and key not in self.index:
+                self.index[key], self.key[block] = block, key
+
+    def take(self, block: int) -> None:
+        """Hold a cached partial block (from `match_partial`) to write on: it leaves the index."""
+        self._unregister(block)
+        self._free.remove(block)
+        self.incarnation[block] += 1
+        self.refs[block] = 1
 
     def forget(self, blocks: Sequence[int]) -> None:
         """Unregister `blocks` (their KV is not what their key says, e.g. the pass that wrote it failed)."""

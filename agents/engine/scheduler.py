@@ -168,11 +168,13 @@ class Scheduler:
         for seq in candidates:
             tokens = seq.tokens
             cached = self.pool.match(tokens, seq.length - 1)
-            width = prefill_width(seq.length - len(cached) * self.pool.block_size, self.max_context_len)
+            start = len(cached) * self.pool.block_size
+            partial, held = self.pool.match_partial(tokens, cached[-1] if cached else None, start, seq.length - 1)
+            width = prefill_width(seq.length - start - held, self.max_context_len)
             if admitted and (len(admitted) + 1) * max(widest, width) > knobs.PREFILL_TOKENS:
                 break
-            needed = self.pool.blocks_for(seq.length) - len(cached)
-            revived = sum(1 for block in cached if self.pool.refs[block] == 0)  # cached blocks taken off the LRU
+            needed = self.pool.blocks_for(seq.length) - len(cached) - bool(held)
+            revived = sum(1 for block in cached if self.pool.refs[block] == 0) + bool(held)  # off the LRU
             reserve = self.slots.held_count() + len(admitted) + 1
             if self.pool.blocks_for(seq.length) + 1 > self.pool.num_blocks - 1:  # it could never run
                 self._fail_too_long(seq)
@@ -180,8 +182,11 @@ class Scheduler:
             if self.pool.available - revived - needed < reserve:
                 break
             self.pool.acquire(cached)
+            if held:
+                self.pool.take(partial)
             fresh = self.pool.allocate(needed)
-            seq.blocks, seq.cached, seq.fed = cached + fresh, len(cached) * self.pool.block_size, seq.length
+            seq.blocks = cached + ([partial] if held else []) + fresh
+            seq.cached, seq.fed = start + held, seq.length
             self.pool.register(seq.blocks, tokens, seq.length)
             new_blocks += fresh
             admitted.append(seq)
@@ -296,7 +301,7 @@ class Scheduler:
         slots = []
         for seq in seqs:
             if register:
-                self.pool.register(seq.blocks, seq.tokens, min(seq.fed, seq.length))
+                self.pool.register(seq.blocks, seq.tokens, min(seq.fed, seq.length), partial=True)
             self.pool.release(seq.blocks)
             seq.blocks = []
             slots.append(seq.slot)
