@@ -1,20 +1,26 @@
-"""Decode attention over paged KV: each row's one query against the positions its block table names.
+"""Attention over paged KV: decode (each row's one query against the positions its block table names) and prefill
+(each row's new tokens, causally, after a prefix read back from the cache).
 
 Two kernels, chosen per engine (`EngineConfig.attention`):
 
-* ``"gather"`` (any device; the reference): the row's first `length` positions gathered from the flat KV into a
-  dense [rows, kv_heads, length, head_dim] tensor, then one SDPA call with an additive length mask. The query heads
-  of one KV head are laid out as that head's queries (no expansion of K/V).
-* ``"triton"`` (CUDA): `agents.engine.triton_attention`, a split-KV kernel that reads the blocks in place — the
-  gather would move every attended byte three times per layer and step.
+* ``"gather"`` (any device; the reference): the row's positions gathered from the flat KV into a dense tensor, then
+  one SDPA call with a mask. For decode, the query heads of one KV head are laid out as that head's queries.
+* ``"triton"`` (CUDA): `agents.engine.triton_attention`, kernels that read the blocks in place — the gather moves
+  every attended byte several times per layer (and prefill expands K/V to every query head).
+
+A prefill pass in which no row has a cached prefix attends over its own new K/V with SDPA's causal kernel (flash).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 KERNELS = ("gather", "triton")
+#: the SDPA kernels a prefill pass may use: torch's own choice except cuDNN, which builds an execution plan for every
+#: new (rows, width) shape while every decoding row waits (docs/engine.md). Flash attention has no such cost.
+PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def flat_positions(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -54,3 +60,41 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     out = F.scaled_dot_product_attention(q.reshape(rows, kv_heads, heads // kv_heads, dim), k, v, attn_mask=mask,
                                          scale=scale)
     return out.reshape(rows, heads, dim)
+
+
+def prefill_inputs(table: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, width: int, read: int,
+                   block_size: int, kernel: str) -> tuple | None:
+    """What `prefill_attention` needs for a pass whose rows have `starts` cached positions and `counts` new ones
+    (right-padded to `width`), reading back `read` positions: None when nothing is read back (causal attention
+    over the new tokens); ``"gather"``: the flat positions [rows, read] and a boolean mask [rows, 1, width, read];
+    ``"triton"``: the table, starts, counts, block size and `read`."""
+    if not read:
+        return None
+    if kernel == "triton":
+        return table, starts, counts, block_size, read
+    keys = torch.arange(read, device=table.device)
+    queries = starts[:, None] + torch.arange(width, device=table.device)[None, :]
+    visible = (keys[None, None, :] <= queries[:, :, None]) & (keys < (starts + counts)[:, None])[:, None, :]
+    return flat_positions(table.long(), keys, block_size), visible[:, None]
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      attend: tuple | None, scale: float, kernel: str) -> torch.Tensor:
+    """Attention of a pass's new queries `q` [rows, heads, width, dim] (their K/V `k`, `v` [rows, kv_heads, width,
+    dim], already written into the flat KV `keys`/`values`); returns [rows, width, heads * dim]."""
+    rows, heads, width, dim = q.shape
+    if attend is not None and kernel == "triton":
+        from .triton_attention import paged_prefill_attention
+
+        table, starts, counts, block_size, read = attend
+        return paged_prefill_attention(q, keys, values, table, starts, counts, scale, block_size,
+                                       read).reshape(rows, width, -1)
+    mask = None
+    if attend is not None:
+        read_at, mask = attend
+        k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
+    groups = heads // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    with sdpa_kernel(PREFILL_SDPA):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+    return out.transpose(1, 2).reshape(rows, width, -1)

@@ -10,21 +10,13 @@ prompt, computed by its first member).
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import attention
 from .attention import flat_positions
-
-#: the attention kernels a prefill pass may use: torch's own choice except cuDNN, which builds an execution plan for
-#: every new (rows, width) shape while every decoding row waits (docs/engine.md). Flash attention has no such cost.
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 
 def attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope: Callable,
                      qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,31 +66,18 @@ def head_logits(norm: nn.Module, lm_head: nn.Module, x: torch.Tensor, vocab: int
 
 def prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, write_at: torch.Tensor,
                   attend: tuple | None, keys: torch.Tensor, values: torch.Tensor, apply_rope: Callable,
-                  qk_norm: bool) -> torch.Tensor:
+                  qk_norm: bool, kernel: str) -> torch.Tensor:
     """One decoder layer over the new tokens of each row [rows, width, hidden], right-padded: their K/V written at
-    `write_at` [rows, width] (padding: the null block), then attention — causal over the new tokens when no row
-    has a cached prefix (`attend` None), else over each row's KV read back from the cache (`attend`: the flat
-    positions [rows, read] and a boolean mask [rows, 1, width, read]) — then the MLP."""
-    attn, (rows, width) = layer.self_attn, x.shape[:2]
+    `write_at` [rows, width] (padding: the null block), then attention (`attention.prefill_attention`: causal over
+    the new tokens when `attend` is None, else over each row's positions read back from the cache), the MLP."""
+    attn = layer.self_attn
     q, k, v = attention_inputs(attn, layer.input_layernorm(x), cos, sin, apply_rope, qk_norm)
     kv_heads = k.shape[1]
     keys.index_copy_(0, write_at.reshape(-1), k.transpose(1, 2).reshape(-1, kv_heads, k.shape[-1]))
     values.index_copy_(0, write_at.reshape(-1), v.transpose(1, 2).reshape(-1, kv_heads, v.shape[-1]))
-    mask = None
-    if attend is not None:
-        read_at, mask = attend
-        k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
-    groups = q.shape[1] // kv_heads
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    with _attention_kernels(PREFILL_ATTENTION):
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=attn.scaling)
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(rows, width, -1))
+    out = attention.prefill_attention(q, k, v, keys, values, attend, attn.scaling, kernel)
+    x = x + attn.o_proj(out)
     return x + layer.mlp(layer.post_attention_layernorm(x))
-
-
-def _attention_kernels(backends: list[SDPBackend] | None):
-    """SDPA restricted to `backends` (None: torch's own choice)."""
-    return sdpa_kernel(backends) if backends else contextlib.nullcontext()
 
 
 STEP_FUNCTIONS = (step_inputs, decode_layer, head_logits)

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..compiling import COMPILE_COUNTS, compiled
 from ..policy import GenerationError
-from .attention import flat_positions
+from .attention import flat_positions, prefill_inputs
 from .blocks import NULL_BLOCK
 from . import config as knobs
 from .config import EngineConfig
@@ -308,19 +308,15 @@ class ModelRunner:
         n, width = ids.shape
         offsets = torch.arange(width, device=ids.device)
         positions = starts[:, None] + offsets[None, :]
-        table = s.table.index_select(0, slots).long()
+        table = s.table.index_select(0, slots)
         real = offsets[None, :] < counts[:, None]
-        write_at = torch.where(real, flat_positions(table, positions, bs), NULL_BLOCK * bs)
-        attend = None
-        if read:
-            keys = torch.arange(read, device=ids.device)
-            visible = (keys[None, None, :] <= positions[:, :, None]) & (keys < (starts + counts)[:, None])[:, None, :]
-            attend = (flat_positions(table, keys, bs), visible[:, None])
+        write_at = torch.where(real, flat_positions(table.long(), positions, bs), NULL_BLOCK * bs)
+        attend = prefill_inputs(table, starts, counts, width, read, bs, self.kernel)
         x = lay.embed(ids)
         cos, sin = lay.rotary(x, positions)
         layer_fn, head = self._functions["prefill_layer"], self._functions["head_logits"]
         for layer, k, v in zip(lay.layers, s.keys, s.values):
-            x = layer_fn(layer, x, cos, sin, write_at, attend, k, v, lay.apply_rope, lay.qk_norm)
+            x = layer_fn(layer, x, cos, sin, write_at, attend, k, v, lay.apply_rope, lay.qk_norm, self.kernel)
         last = x[torch.arange(n, device=x.device)[:, None], (counts - 1)[:, None]]  # [n, 1, hidden], not a view
         return head(lay.norm, lay.lm_head, last, self.vocab_size)
 
