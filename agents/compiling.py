@@ -1,5 +1,5 @@
 """Inductor compilation of the fast path's decode-step functions (`agents.fast_decode`), with an eager fallback;
-the trainer compiles its per-token logprob and entropy function the same way (`trainers.modeling.token_logprobs`).
+the trainer compiles its per-token logprob and entropy function the same way (`agents.logprobs`).
 
 Why: a decode step of a 24-layer decoder run op by op launches about 1,200 small kernels (transformers' RMSNorm,
 RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a CUDA graph each still costs ~2 us.

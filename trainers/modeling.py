@@ -5,7 +5,8 @@ Alignment: for a row of ``input_ids``, output position ``t`` holds the quantity 
 gave token ``t`` from the prefix before it, or the critic's value of that prefix. Both take the batch's
 ``loss_mask``: positions whose token is not trained (``loss_mask == 0``: prompt, observations, padding) hold 0, and
 only the hidden states that predict a trained token go through the LM head, so a 150k vocabulary costs nothing on
-prompt and tool tokens.
+prompt and tool tokens. Those hidden states become logprobs through `agents.logprobs.token_logprobs` (the function
+the engine shares), in chunks: no ``[tokens, vocab]`` tensor is made.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from agents.compiling import compiled
+from agents.logprobs import CHUNK_TOKENS, token_logprobs
 
 #: Architecture presets (random init) — public shapes of real models, for speed figures without weights.
 PRESETS: dict[str, dict] = {
@@ -165,23 +166,6 @@ def _scatter(values: torch.Tensor, scored: torch.Tensor, shape) -> torch.Tensor:
     return out
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 logprobs of `targets` [N] under ``softmax(logits / temperature)`` (`logits` [N, vocab], any float
-    dtype), and that distribution's entropy [N] when asked (else None).
-
-    Why a function of its own: the trainer runs it compiled on CUDA (`PolicyModel`), where Inductor fuses the
-    float32 cast, the log-sum-exp, the gather and the entropy into a few reductions over the bf16 logits; run op by
-    op, each step materialises a float32 [N, vocab] tensor (2.5 GB for 4k tokens of a 151k vocabulary), forward and
-    backward, several times per micro-batch."""
-    z = logits.float() / temperature
-    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    logprobs = logp.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, -(logp.exp() * logp).sum(-1)
-
-
 class PolicyModel(nn.Module):
     """Wraps a Hugging Face causal LM; `forward` returns per-token logprobs (and entropy) of the trained tokens.
 
@@ -192,10 +176,12 @@ class PolicyModel(nn.Module):
     accelerate correct. `self.lm` is the plain HF model, shared (no copy) with the generation backend.
     """
 
-    def __init__(self, lm: nn.Module, vocab_limit: int | None = None):
+    def __init__(self, lm: nn.Module, vocab_limit: int | None = None, logprob_chunk_tokens: int | None = CHUNK_TOKENS):
         super().__init__()
         self.lm = lm
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
+        #: trained tokens per LM-head chunk (`agents.logprobs.token_logprobs`; None: all at once)
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         # the LM's layer classes: accelerate's FSDP wraps each of them as its own unit (its auto-wrap policy reads this)
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
 
@@ -207,9 +193,9 @@ class PolicyModel(nn.Module):
             **_attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids),
         ).last_hidden_state
         scored, targets = _scored(input_ids, loss_mask)
-        logits = self.lm.get_output_embeddings()(hidden[:, :-1][scored])[..., :self.vocab_limit]
-        score = compiled(token_logprobs) if logits.is_cuda else token_logprobs
-        logprobs, entropy = score(logits, targets, temperature, with_entropy)
+        logprobs, entropy = token_logprobs(hidden[:, :-1][scored], self.lm.get_output_embeddings(), targets,
+                                           temperature=temperature, vocab_limit=self.vocab_limit,
+                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
         out_lp = _scatter(logprobs, scored, input_ids.shape)
         return out_lp, None if entropy is None else _scatter(entropy, scored, input_ids.shape)
 
