@@ -16,6 +16,8 @@ from torch import nn
 
 from agents.logprobs import CHUNK_TOKENS, token_logprobs
 
+from .lora import has_adapters, state_dict_of_trained_only
+
 #: Architecture presets (random init) — public shapes of real models, for speed figures without weights.
 PRESETS: dict[str, dict] = {
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -24,6 +26,9 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                        rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, vocab_size=152064),
 }
 
 
@@ -184,6 +189,8 @@ class PolicyModel(nn.Module):
         self.logprob_chunk_tokens = logprob_chunk_tokens
         # the LM's layer classes: accelerate's FSDP wraps each of them as its own unit (its auto-wrap policy reads this)
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
+        if has_adapters(lm):  # LoRA: checkpoints hold the adapters, not the frozen base (`trainers.lora`)
+            state_dict_of_trained_only(self)
 
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
@@ -212,6 +219,8 @@ class CriticModel(nn.Module):
         self.head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        if has_adapters(backbone):  # a copy of a LoRA policy's backbone: its base stays frozen, as the policy's
+            state_dict_of_trained_only(self)
 
     @classmethod
     def from_policy(cls, lm: nn.Module) -> CriticModel:
