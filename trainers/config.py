@@ -191,7 +191,12 @@ class TrainerConfig:
     micro_batch_size: int = option(8, "sequences per forward/backward on each process (gradient accumulation)",
                                    ge=1)
     max_grad_norm: float = option(1.0, "gradient clipping norm", gt=0)
+    micro_batch_tokens: int | None = option(None, "tokens per forward/backward on each process instead of "
+                                                  "micro_batch_size rows: packed, real tokens; padded, rows x the "
+                                                  "longest (null: micro_batch_size)", ge=1)
     packed: bool = option(False, "padding-free batches (block-diagonal attention)")
+    compile: bool = option(False, "the policy's decoder layers compiled by Inductor in the trainer's forward "
+                                  "passes (a layer that cannot compile runs eagerly)")
     eval_every: int = option(10, "steps between evaluations (0: only at the end)", ge=0)
     save_every: int = option(50, "steps between checkpoints (0: only at the end and when interrupted)", ge=0)
     keep_last: int = option(3, "complete checkpoints kept (older ones are deleted)", ge=1)

@@ -11,9 +11,12 @@ the engine shares), in chunks: no ``[tokens, vocab]`` tensor is made.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from agents.compiling import compiled
 from agents.logprobs import CHUNK_TOKENS, token_logprobs
 
 from .lora import has_adapters, state_dict_of_trained_only
@@ -155,6 +158,29 @@ def _attention_kwargs(model: nn.Module, input_ids, attention_mask, position_ids,
         return dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
                     max_length_q=max_len, max_length_k=max_len)
     return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
+
+
+# --------------------------------------------------------------------------------------------- compiled layers
+def compile_layers(lm: nn.Module) -> None:
+    """From now on `lm`'s decoder layers run compiled by Inductor in forward passes without a KV cache (the
+    trainer's): one compilation with dynamic shapes for every layer (`agents.compiling`, which falls back to eager
+    if it fails), transformers' activation checkpointing included. Passes with a cache (generation on the
+    transformers path) run the layers as they are. Each layer's ``forward`` becomes an attribute of the layer:
+    deep copies made after this call share the compiled function, not the layer."""
+    for layer in getattr(lm, lm.base_model_prefix).layers:
+        if "forward" not in vars(layer):
+            layer.forward = functools.partial(_layer_forward_compiled, layer)
+
+
+def _layer_forward(layer: nn.Module, *args, **kwargs):
+    """The layer class's own forward (with transformers' checkpointing wrapper), the layer as an argument."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def _layer_forward_compiled(layer: nn.Module, *args, **kwargs):
+    if kwargs.get("use_cache"):
+        return _layer_forward(layer, *args, **kwargs)
+    return compiled(_layer_forward)(layer, *args, **kwargs)
 
 
 def _scored(input_ids: torch.Tensor, loss_mask: torch.Tensor):

@@ -50,7 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from mt_env.batch import TrainBatch, collate, pack
+from mt_env.batch import TrainBatch, collate, micro_batches, pack
 from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
@@ -307,7 +307,8 @@ def score(batch: TrainBatch, models: Models, cfg: Config, old: bool = True) -> t
     pass's seconds (``perf/<pass>_s``)."""
     models.policy.eval()  # no dropout in the scoring passes (`update` sets train mode again)
     rows = torch.arange(len(batch), device=batch.input_ids.device)
-    chunks = list(rows.split(cfg.trainer.micro_batch_size))
+    t = cfg.trainer
+    chunks = micro_batches(batch, rows, t.micro_batch_size, t.micro_batch_tokens, t.packed)
     # under FSDP every forward pass all-gathers: a process with fewer chunks runs one-row passes it discards
     padding = [rows[:1]] * (forward_passes_everywhere(len(chunks), models.policy) - len(chunks))
     seconds = {}
@@ -453,7 +454,8 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config, genera
     t, world = cfg.trainer, accelerator.num_processes
     order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
     splits = order.tensor_split(n_mini)
-    micro = [list(rows.split(t.micro_batch_size)) or [rows] for rows in splits]
+    micro = [micro_batches(batch, rows, t.micro_batch_size, t.micro_batch_tokens, t.packed) or [rows]
+             for rows in splits]
     # per mini-batch: trained tokens, sequences with any, micro-batches — from every process, in one collective
     mine = torch.stack([torch.stack([batch.loss_mask[rows].sum(), (batch.loss_mask[rows].sum(-1) > 0).sum(),
                                      torch.tensor(float(len(m)), device=order.device)]).double()

@@ -28,7 +28,7 @@ from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokeni
 from .config import Config, ConfigError
 from .distributed import ddp_kwargs
 from .lora import add_lora, hf_weights, save_hf
-from .modeling import build_causal_lm
+from .modeling import build_causal_lm, compile_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,6 +187,8 @@ def make_models(cfg: Config, tokenizer, device: torch.device, critic: bool = Tru
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.model.lora.rank:
         add_lora(lm, cfg.model.lora)
+    if cfg.trainer.compile:
+        compile_layers(lm)
     lm.config.pad_token_id = tokenizer.pad_token_id
     lm.to(device)
     if cfg.algorithm.name != "ppo" or not critic:
