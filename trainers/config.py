@@ -96,8 +96,8 @@ class LoraConfig:
 @dataclass
 class ModelConfig:
     path: str | None = option(None, "Hugging Face model id or local directory (pretrained weights)")
-    preset: str | None = option(None, "random-init architecture preset: qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b (no weights "
-                                                                                         "needed)")
+    preset: str | None = option(None, "random-init architecture preset: qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b "
+                                      "(no weights needed)")
     config: dict = option(factory=dict, doc="Qwen2Config overrides for random init (e.g. hidden_size)")
     dtype: Dtype = option("float32", "weights and compute")
     attn_implementation: AttnImplementation = option("sdpa", "attention kernel of the trainer's forward passes")
