@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import os
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from .test_checkpoints import newest
 from .test_policy_sglang import servers  # noqa: F401  (the fake SGLang servers fixture)
 from .test_trainer import metrics, run
 
+DEVICE = torch.device(os.environ.get("MT_ENV_TEST_DEVICE", "cpu"))
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=256)
 IDS = torch.tensor([[5, 17, 42, 8, 99, 3, 61, 23]])
@@ -132,16 +134,19 @@ def test_sglang_servers_get_the_merged_weights_through_their_sync_path(tmp_path,
 
 def test_the_embedded_engine_generates_through_the_adapters():
     """The fast path runs the module's own q_proj & co.: peft's LoRA layers run inside it, so the engine's logprobs
-    are the adapted model's (and not the base's)."""
+    are the adapted model's (and not the base's). On CPU its steps run eagerly; with MT_ENV_TEST_DEVICE=cuda, as
+    the trainer runs them (compiled, in CUDA graphs)."""
     lm, base = adapted()
+    lm, base = lm.to(DEVICE), base.to(DEVICE)
+    settings = {} if DEVICE.type == "cuda" else dict(cuda_graphs=False, compile=False)
 
     async def generate(model):
-        async with HFPolicy(model, fast_path=True, cuda_graphs=False, compile=False) as engine:
+        async with HFPolicy(model, fast_path=True, **settings) as engine:
             assert engine.fast_path_reason.startswith("on:"), engine.fast_path_reason  # the fast path took it
             return await engine.generate(IDS[0].tolist(), SamplingParams(temperature=0, max_new_tokens=6))
 
     gen = asyncio.run(generate(lm))
-    ids = torch.tensor([IDS[0].tolist() + gen.ids])
+    ids = torch.tensor([IDS[0].tolist() + gen.ids], device=DEVICE)
     mask = torch.zeros_like(ids, dtype=torch.float)
     mask[0, IDS.shape[1]:] = 1
     lp, _ = PolicyModel(lm)(ids, mask)
@@ -161,6 +166,7 @@ def test_lora_quickstart_trains_resumes_and_exports(tmp_path):
     from safetensors.torch import load_file, load_model
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    from trainers import checkpoints
     from trainers.export import export
     from trainers.setup import make_models
 
@@ -185,4 +191,12 @@ def test_lora_quickstart_trains_resumes_and_exports(tmp_path):
     load_model(policy, checkpoint / "model.safetensors")  # as accelerate's resume loads it: strictly
     ids = torch.tensor([tokenizer.encode("What is 12 * 34? Use the calculator.")])
     torch.testing.assert_close(logits(exported, ids), logits(lm.eval(), ids), atol=1e-5, rtol=1e-5)
+    # evaluate.py --checkpoint: the recipe's model, the checkpoint's adapters (`load_policy_weights`)
+    again, _ = make_models(cfg, tokenizer, torch.device("cpu"), critic=False)
+    checkpoints.load_policy_weights(again, checkpoint, "the recipe's model")
+    assert torch.equal(logits(again.eval(), ids), logits(lm, ids))
+    plain, _ = make_models(load_config(tmp_path / "config.json", ["model.lora.rank=0"], training=False), tokenizer,
+                           torch.device("cpu"), critic=False)
+    with pytest.raises(RuntimeError, match="does not match"):  # adapters onto a model without them: refused
+        checkpoints.load_policy_weights(plain, checkpoint, "a model without LoRA")
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"

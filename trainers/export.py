@@ -62,7 +62,7 @@ def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
 def _merged_lora_model(checkpoint: Path, adapters: dict):
     """The policy of a LoRA run's checkpoint, which holds the adapters only: the base model built as the run built
     it (its config.json beside ``checkpoints/``: ``model.path``, or the seeded random init), the adapters loaded into
-    it (every one of them must be in the checkpoint)."""
+    it (`checkpoints.load_policy_weights`: every one of them must be in the checkpoint)."""
     import torch
     from transformers import PreTrainedTokenizerFast
 
@@ -76,9 +76,7 @@ def _merged_lora_model(checkpoint: Path, adapters: dict):
     cfg = load_config(run_config, ["device=cpu"], training=False)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint / checkpoints.HF_DIR)
     model, _ = make_models(cfg, tokenizer, torch.device("cpu"), critic=False)
-    missing = {n for n, _ in model.named_parameters() if is_adapter(n)} - set(adapters)
-    if missing or model.load_state_dict(adapters, strict=False).unexpected_keys:
-        raise RuntimeError(f"{checkpoint}'s adapters do not match the run's model.lora: missing {sorted(missing)[:3]}")
+    checkpoints.load_policy_weights(model, checkpoint, "the run's model (its config.json)", adapters)
     return model
 
 
