@@ -1,5 +1,5 @@
 """Inductor compilation of the fast path's decode-step functions (`agents.fast_decode`), with an eager fallback;
-the trainer compiles its per-token logprob and entropy function the same way (`trainers.modeling.token_logprobs`).
+the trainer compiles its per-token logprob and entropy function the same way (`agents.logprobs`).
 
 Why: a decode step of a 24-layer decoder run op by op launches about 1,200 small kernels (transformers' RMSNorm,
 RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a CUDA graph each still costs ~2 us.
@@ -91,14 +91,14 @@ class Compiled:
         self.failure: str | None = None
         self._compiled = torch.compile(fn, backend=_inductor, dynamic=True)
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failure is None:
             try:
                 with _recompile_room(), _QUIET.quiet():
-                    return self._compiled(*args)
+                    return self._compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:  # compilation failed: the call did not run
                 self.failure = f"{self.eager.__name__}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
-        return self.eager(*args)
+        return self.eager(*args, **kwargs)
 
 
 _COMPILED: dict[Callable, Compiled] = {}

@@ -14,7 +14,15 @@ forward rate, and the update >= 0.8x the raw forward+backward+AdamW rate. When t
 the whole batch (the smoke recipe: one epoch, one mini-batch of 256), the trainer takes the old logprobs from the
 update itself (`trainers.ppo.single_update`) and that pass does not run.
 
+Each phase's rate is also given as MFU: 6 x parameters x tokens / seconds / peak for the update (2 x ... for a
+scoring pass), peak = the GPU's dense bf16 rate (`bench_update.PEAK_TFLOPS`; null off GPU). A LoRA recipe (issue 29:
+the 7B recipe on one GPU) reports step time and peak memory; its raw baseline is skipped (full fine-tuning of the
+same model, with its AdamW state, is not what it is compared with, and would not fit beside it), and its MFU counts
+the full model's 6 x parameters as for the others.
+
     python benchmarks/bench_rl_step.py --out benchmarks/results/h200/rl_step.json          # on a GPU
+    python benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 \
+        --out benchmarks/results/h200/rl_step_7b_lora.json                                # 7B LoRA on one GPU
     python benchmarks/bench_rl_step.py --config quickstart.yaml --steps 4 --set sft.steps=0  # a CPU smoke run
 """
 
@@ -34,7 +42,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
+from trainers.modeling import build_causal_lm  # noqa: E402
 from trainers.setup import make_models, make_tokenizer  # noqa: E402
+
+from bench_update import PEAK_TFLOPS  # noqa: E402
 from trainers.tracking import read_metrics  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
@@ -60,6 +71,8 @@ def steady(rows: list[dict], warmup: int) -> dict:
            "sequences": median("perf/sequences")}
     for phase in PHASES:
         out[f"{phase}_s"] = median(f"perf/{phase}_s")
+    out["peak_gib"] = max((r.get("perf/peak_gib", 0.0) for r in rows), default=0.0) or None  # over every step
+    out["peak_reserved_gib"] = max((r.get("perf/peak_reserved_gib", 0.0) for r in rows), default=0.0) or None
     # the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`: ``engine/*``)
     out["engine"] = {key.removeprefix("engine/"): median(key) for key in kept[0] if key.startswith("engine/")}
     return out
@@ -95,6 +108,54 @@ def raw_rates(cfg, tokens: int, seq: int, device: torch.device) -> dict:
     return rates
 
 
+def phase_rates(figures: dict, cfg, args, device: torch.device) -> dict:
+    """Tokens/s and MFU of the scoring passes and the update; against the raw rates and the goals, unless the recipe
+    trains LoRA adapters (then no raw baseline: see the module docstring)."""
+    t, out = figures["tokens"], {}
+    for phase in ("old_logprob", "ref"):  # 0 s: the pass did not run (no reference; old logprobs from the update)
+        out[f"{phase}_tok_s"] = t / figures[f"{phase}_s"] if figures[f"{phase}_s"] else None
+    out["update_tok_s"] = t * figures["epochs"] / max(figures["update_s"], 1e-9)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else ""
+    peak = next((v * 1e12 for k, v in PEAK_TFLOPS.items() if k in name), None)
+    params = parameter_count(cfg)
+    out.update(parameters=params, peak_bf16_dense_tflops=None if peak is None else peak / 1e12, mfu={
+        phase: None if peak is None or not out[f"{phase}_tok_s"] else
+        (6 if phase == "update" else 2) * params * out[f"{phase}_tok_s"] / peak
+        for phase in ("old_logprob", "ref", "update")})
+    out["goals"] = {"step_s": {"target": GOAL_STEP_S, "passed": figures["step_s"] <= GOAL_STEP_S}}
+    if cfg.model.lora.rank:
+        return out
+    seq = args.raw_seq or max(1, round(t / max(figures["sequences"], 1)))
+    out.update(raw_rates(cfg, int(t), seq, device), raw_seq=seq)
+    ratios = {"update": out["update_tok_s"] / out["raw_train_tok_s"]}
+    ratios.update({phase: out[f"{phase}_tok_s"] / out["raw_forward_tok_s"]
+                   for phase in ("old_logprob", "ref") if out[f"{phase}_tok_s"]})
+    out["ratios_vs_raw"] = ratios
+    out["goals"]["phases_vs_raw"] = {"target": GOAL_RATIO, "worst": min(ratios.values()),
+                                     "passed": min(ratios.values()) >= GOAL_RATIO}
+    return out
+
+
+def parameter_count(cfg) -> int:
+    """The recipe's model's parameters (built on the meta device: no memory, no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        if cfg.model.path:
+            lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
+        else:
+            lm = build_causal_lm(preset=cfg.model.preset, config=cfg.model.config,
+                                 vocab_size=len(make_tokenizer(cfg)))
+    return sum(p.numel() for p in lm.parameters())
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip() or None
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -114,22 +175,10 @@ def main():
     cfg = load_config(args.config, [o for o in overrides if not o.startswith("output_dir=")])
     figures = steady(rows, args.warmup)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
-    seq = args.raw_seq or max(1, round(figures["tokens"] / max(figures["sequences"], 1)))
-    figures.update(raw_rates(cfg, int(figures["tokens"]), seq, device), raw_seq=seq)
-    t = figures["tokens"]
-    for phase in ("old_logprob", "ref"):  # 0 s: the pass did not run (no reference; old logprobs from the update)
-        figures[f"{phase}_tok_s"] = t / figures[f"{phase}_s"] if figures[f"{phase}_s"] else None
-    figures["update_tok_s"] = t * figures["epochs"] / max(figures["update_s"], 1e-9)
-    ratios = {"update": figures["update_tok_s"] / figures["raw_train_tok_s"]}
-    ratios.update({phase: figures[f"{phase}_tok_s"] / figures["raw_forward_tok_s"]
-                   for phase in ("old_logprob", "ref") if figures[f"{phase}_tok_s"]})
-    figures["ratios_vs_raw"] = ratios
-    figures["goals"] = {"step_s": {"target": GOAL_STEP_S, "passed": figures["step_s"] <= GOAL_STEP_S},
-                        "phases_vs_raw": {"target": GOAL_RATIO, "worst": min(ratios.values()),
-                                          "passed": min(ratios.values()) >= GOAL_RATIO}}
+    figures.update(phase_rates(figures, cfg, args, device))
     figures.update(command=" ".join([Path(sys.executable).name, *sys.argv]), config=args.config,
                    overrides=overrides, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   torch=torch.__version__)
+                   torch=torch.__version__, commit=_commit())
     old = f"{figures['old_logprob_s']:.2f}" if figures["old_logprob_s"] else "taken from the update"
     print(f"\nsteady steps {figures['steps']}: step {figures['step_s']:.2f} s "
           f"(rollout {figures['rollout_s']:.2f}, old logprobs {old}, "
@@ -141,9 +190,15 @@ def main():
               f"prefill passes {e['prefill_s']:.2f}, {e['decode_passes']:.0f} decode steps: launching "
               f"{e['launch_s']:.2f}, waiting for them {e['step_wait_s']:.2f}), {e['admission_waits']:.0f} admission "
               f"waits; idle {figures['rollout_s'] - e['busy_s']:.2f} s of the rollout's {figures['rollout_s']:.2f}")
-    print(f"raw forward {figures['raw_forward_tok_s']:,.0f} tok/s, raw forward+backward+AdamW "
-          f"{figures['raw_train_tok_s']:,.0f} tok/s")
-    for name, ratio in ratios.items():
+    mfu = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in figures["mfu"].items()}
+    rates = ", ".join(f"{phase} {figures[f'{phase}_tok_s']:,.0f} tok/s (MFU {mfu[phase]})"
+                      for phase in ("old_logprob", "ref", "update") if figures[f"{phase}_tok_s"])
+    print(f"{figures['parameters'] / 1e9:.2f}B parameters; {rates}; peak memory "
+          f"{figures['peak_gib'] or 0:.1f} GiB allocated, {figures['peak_reserved_gib'] or 0:.1f} GiB reserved")
+    if "raw_forward_tok_s" in figures:
+        print(f"raw forward {figures['raw_forward_tok_s']:,.0f} tok/s, raw forward+backward+AdamW "
+              f"{figures['raw_train_tok_s']:,.0f} tok/s")
+    for name, ratio in figures.get("ratios_vs_raw", {}).items():
         print(f"  {name:<12} {ratio:.2f}x raw  {'PASS' if ratio >= GOAL_RATIO else 'FAIL'} (goal >= {GOAL_RATIO}x)")
     print(f"  step_s {figures['step_s']:.2f}  {'PASS' if figures['step_s'] <= GOAL_STEP_S else 'FAIL'} "
           f"(goal <= {GOAL_STEP_S} s)")

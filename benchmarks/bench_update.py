@@ -1,5 +1,5 @@
-"""Update-phase throughput of trainers/ppo.py against raw forward+backward+AdamW of the same model, in one run;
-and padded vs packed updates on a multi-turn length distribution.
+"""Update-phase throughput of trainers/ppo.py, in one process on the same tokens: today's path against the new one
+(issue 29), against raw forward+backward+AdamW, and padded vs packed.
 
 1. Raw baseline: ``model(input_ids, labels=input_ids)`` (the plain causal-LM loss on every token), backward,
    AdamW step — the same model, the same [B, L] tokens, the same micro-batching.
@@ -7,17 +7,25 @@ and padded vs packed updates on a multi-turn length distribution.
    clipped policy loss with the loss mask, KL term, gradient clipping, AdamW), on those tokens with a realistic mask.
 3. Padded vs packed: a multi-turn batch (many short episodes, a few long ones) updated with `trainer.packed`
    false vs true (block-diagonal attention, no padding).
+4. Today vs new, on that multi-turn batch (packed): the update and the old-logprob pass (`trainers.ppo.score`) as
+   before issue 29 (micro-batches of ``--micro`` rows, the LM head over all scored tokens of a micro-batch at once,
+   eager layers) and with its changes (micro-batches of ``--micro-tokens`` tokens, LM-head chunks of
+   `agents.logprobs.CHUNK_TOKENS`, decoder layers compiled: ``trainer.compile``). MFU = 6 x parameters x tokens /
+   seconds / peak for the update (2 x ... for a forward pass), peak = the GPU's dense bf16 rate (`PEAK_TFLOPS`).
 
-Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded on the multi-turn distribution.
+Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded. Issue 29: the new update >= 2x today's.
 
-    python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b      # the H200 figures
-    python benchmarks/bench_update.py --device cpu --model tiny               # a CPU smoke run
+    python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b --out-dir benchmarks/results/h200
+    python benchmarks/bench_update.py --device cpu --model tiny --vocab 2000 --batch 2 --seq 128 --micro 2 \\
+        --micro-tokens 4096 --iters 1 --warmup 1 --out-dir /tmp/update_cpu                    # a CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,10 +38,12 @@ from accelerate import Accelerator  # noqa: E402
 
 from mt_env.batch import TrainBatch  # noqa: E402
 from trainers.config import load_config  # noqa: E402
-from trainers.modeling import PolicyModel, build_causal_lm  # noqa: E402
-from trainers.ppo import Models, update  # noqa: E402
+from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
+from trainers.ppo import Models, score, update  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+#: dense (no sparsity) bf16 tensor-core TFLOP/s, from NVIDIA's spec sheets (H200 SXM: 1,979 with sparsity)
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 def sync(device):
@@ -44,7 +54,7 @@ def sync(device):
 def make_model(args, device, attn="sdpa"):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if args.model == "tiny":
-        lm = build_causal_lm(config=dict(TINY, max_position_embeddings=4096), vocab_size=151936, dtype=dtype,
+        lm = build_causal_lm(config=dict(TINY, max_position_embeddings=4096), vocab_size=args.vocab, dtype=dtype,
                              attn_implementation=attn)
     else:
         lm = build_causal_lm(preset=args.model, dtype=dtype, attn_implementation=attn)
@@ -69,6 +79,16 @@ def batch_from_lengths(prompt_lens, response_lens, vocab, device, seed=0) -> Tra
         episode=torch.arange(B), episode_rewards=torch.zeros(B), old_logprobs=old, ref_logprobs=old,
         advantages=torch.randn(B, L, generator=g) * loss_mask)
     return batch.to(device)
+
+
+def multi_turn_batch(n, vocab, device) -> TrainBatch:
+    """`n` episodes: most short, about 10% long multi-turn ones."""
+    g = torch.Generator().manual_seed(1)
+    long = torch.rand(n, generator=g) < 0.1
+    prompt = [int(x) for x in torch.randint(100, 200, (n,), generator=g)]
+    response = [int(torch.randint(1200, 1800, (1,), generator=g) if lg else torch.randint(60, 300, (1,), generator=g))
+                for lg in long]
+    return batch_from_lengths(prompt, response, vocab, device, seed=2)
 
 
 def raw_step(lm, opt, batch, micro):
@@ -100,76 +120,130 @@ def timed(fn, device, warmup, iters):
     return (time.perf_counter() - t) / iters
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--model", default="qwen2.5-0.5b", help="qwen2.5-0.5b | qwen2.5-3b | tiny")
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--micro", type=int, default=8)
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    device = torch.device(args.device)
-    torch.manual_seed(0)
-    accelerator = Accelerator(cpu=device.type == "cpu")
-    print(f"command: {' '.join(sys.argv)}")
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    figures: dict = {"command": " ".join(sys.argv)}
+def recipe(args, *overrides):
+    return load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}",
+                                           "env.budget.max_response_tokens=2048", *overrides])
 
-    # ---- 1 + 2: raw vs mt_env update on B x L padded tokens
-    lm = make_model(args, device)
-    vocab = lm.config.vocab_size
-    n_params = sum(p.numel() for p in lm.parameters())
-    print(f"model: {args.model} (random init), {n_params / 1e6:.0f}M parameters, {lm.dtype}")
-    data = batch_from_lengths([args.seq // 2] * args.batch, [args.seq // 2] * args.batch, vocab, device)
+
+# ================================================================================================== the sections
+def raw_vs_update(args, lm, device, accelerator, say) -> dict:
+    data = batch_from_lengths([args.seq // 2] * args.batch, [args.seq // 2] * args.batch, lm.config.vocab_size, device)
     tokens = int(data.attention_mask.sum())
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-6)
     t_raw = timed(lambda: raw_step(lm, opt, data, args.micro), device, args.warmup, args.iters)
-    cfg = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}",
-                                         f"trainer.minibatch_size={args.batch}", "algorithm.kl_mode=loss",
-                                         "algorithm.kl_coef=0.001", "env.budget.max_response_tokens=2048"])
-    policy = PolicyModel(lm)
+    cfg = recipe(args, f"trainer.minibatch_size={args.batch}", "algorithm.kl_mode=loss", "algorithm.kl_coef=0.001")
+    policy = PolicyModel(lm, logprob_chunk_tokens=None)
     t_ours = timed(lambda: mt_env_step(policy, opt, accelerator, cfg, data), device, args.warmup, args.iters)
     raw_tps, ours_tps = tokens / t_raw, tokens / t_ours
     ratio = ours_tps / raw_tps
-    print(f"\n[update vs raw] {args.batch} x {args.seq} tokens, micro-batch {args.micro}")
-    print(f"  raw forward+backward+AdamW : {raw_tps:>10,.0f} tok/s  ({t_raw * 1e3:.0f} ms/step)")
-    print(f"  mt_env PPO/GRPO update     : {ours_tps:>10,.0f} tok/s  ({t_ours * 1e3:.0f} ms/step)  "
-          f"ratio {ratio:.2f}x  (goal >= 0.9x)  {'PASS' if ratio >= 0.9 else 'FAIL'}")
-    figures.update(raw_tokens_per_s=raw_tps, update_tokens_per_s=ours_tps, update_vs_raw=ratio)
+    say(f"\n[update vs raw] {args.batch} x {args.seq} tokens, micro-batch {args.micro}")
+    say(f"  raw forward+backward+AdamW : {raw_tps:>10,.0f} tok/s  ({t_raw * 1e3:.0f} ms/step)")
+    say(f"  mt_env PPO/GRPO update     : {ours_tps:>10,.0f} tok/s  ({t_ours * 1e3:.0f} ms/step)  "
+        f"ratio {ratio:.2f}x  (goal >= 0.9x)  {'PASS' if ratio >= 0.9 else 'FAIL'}")
+    return dict(raw_tokens_per_s=raw_tps, update_tokens_per_s=ours_tps, update_vs_raw=ratio)
 
-    # ---- 3: padded vs packed on a multi-turn length distribution
-    g = torch.Generator().manual_seed(1)
-    n = args.batch * 4
-    long = torch.rand(n, generator=g) < 0.1  # a few long multi-turn episodes, many short ones
-    prompt = [int(x) for x in torch.randint(100, 200, (n,), generator=g)]
-    response = [int(torch.randint(1200, 1800, (1,), generator=g) if lg else torch.randint(60, 300, (1,), generator=g))
-                for lg in long]
-    multi = batch_from_lengths(prompt, response, vocab, device, seed=2)
-    real = int(multi.attention_mask.sum())
-    slots = multi.attention_mask.numel()
-    results = {}
+
+def padded_vs_packed(args, lm, device, accelerator, multi, say) -> dict:
+    real, slots, results = int(multi.attention_mask.sum()), multi.attention_mask.numel(), {}
+    policy, opt = PolicyModel(lm, logprob_chunk_tokens=None), torch.optim.AdamW(lm.parameters(), lr=1e-6)
     for layout, attn in (("padded", "sdpa"), ("packed", "sdpa"), ("packed", "flex_attention")):
         if attn == "flex_attention" and device.type != "cuda":
             continue
         lm.config._attn_implementation = attn
-        cfg_l = load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}", f"trainer.minibatch_size={n}",
-                                               "env.budget.max_response_tokens=2048", "algorithm.kl_mode=none",
-                                               f"trainer.packed={layout == 'packed'}"])
-        t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg_l, multi), device, 1, max(2, args.iters // 2))
+        cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "algorithm.kl_mode=none",
+                     f"trainer.packed={layout == 'packed'}")
+        t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg, multi), device, 1, max(2, args.iters // 2))
         results[f"{layout}/{attn}"] = real / t
-        print(f"  {layout:<6} ({attn:<14}): {real / t:>10,.0f} real tok/s  ({t * 1e3:.0f} ms/step)")
+        say(f"  {layout:<6} ({attn:<14}): {real / t:>10,.0f} real tok/s  ({t * 1e3:.0f} ms/step)")
     lm.config._attn_implementation = "sdpa"
-    best_packed = max(v for k, v in results.items() if k.startswith("packed"))
-    speedup = best_packed / results["padded/sdpa"]
-    print(f"\n[padded vs packed] {n} episodes, {real:,} real tokens in {slots:,} padded slots "
-          f"({100 * real / slots:.0f}% real)")
-    print(f"  packed / padded: {speedup:.2f}x  (goal >= 1.5x)  {'PASS' if speedup >= 1.5 else 'FAIL'}")
-    figures.update(packing=results, packed_vs_padded=speedup, real_tokens=real, padded_slots=slots)
-    if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=2))
+    speedup = max(v for k, v in results.items() if k.startswith("packed")) / results["padded/sdpa"]
+    say(f"\n[padded vs packed] {len(multi)} episodes, {real:,} real tokens in {slots:,} padded slots "
+        f"({100 * real / slots:.0f}% real)")
+    say(f"  packed / padded: {speedup:.2f}x  (goal >= 1.5x)  {'PASS' if speedup >= 1.5 else 'FAIL'}")
+    return dict(packing=results, packed_vs_padded=speedup, real_tokens=real, padded_slots=slots)
+
+
+def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
+    """The update and the old-logprob pass, as before issue 29 and with its changes, on the same packed tokens."""
+    real, n_params = int(multi.attention_mask.sum()), sum(p.numel() for p in lm.parameters())
+    new_lm = copy.deepcopy(lm)
+    if args.compile:
+        compile_layers(new_lm)
+    paths = {"today": (PolicyModel(lm, logprob_chunk_tokens=None), []),
+             "new": (PolicyModel(new_lm), [f"trainer.micro_batch_tokens={args.micro_tokens}"])}
+    say(f"\n[today vs new] {len(multi)} episodes packed, {real:,} real tokens; today: micro-batches of {args.micro} "
+        f"rows, full LM head, eager layers; new: {args.micro_tokens:,}-token micro-batches, LM-head chunks, "
+        f"{'compiled' if args.compile else 'eager'} layers")
+    out = {}
+    for name, (policy, knobs) in paths.items():
+        cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "trainer.packed=true", "algorithm.kl_mode=loss",
+                     "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", *knobs)
+        models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6), scheduler=None)
+        t_update = timed(lambda: update(multi, models, accelerator, cfg, step=1), device, args.warmup, args.iters)
+        t_score = timed(lambda: score(multi, models, cfg), device, args.warmup, args.iters)
+        mfu = (lambda flops: None if peak is None else flops / peak)
+        out[name] = dict(update_tok_s=real / t_update, update_s=t_update, score_tok_s=real / t_score, score_s=t_score,
+                         update_mfu=mfu(6 * n_params * real / t_update), score_mfu=mfu(2 * n_params * real / t_score))
+        fmt = (lambda x: "n/a" if x is None else f"{100 * x:.1f}%")
+        say(f"  {name:<5}: update {real / t_update:>10,.0f} tok/s (MFU {fmt(out[name]['update_mfu'])}), old-logprob "
+            f"pass {real / t_score:>10,.0f} tok/s (MFU {fmt(out[name]['score_mfu'])})")
+        del models
+    ratio = out["new"]["update_tok_s"] / out["today"]["update_tok_s"]
+    ratio_score = out["new"]["score_tok_s"] / out["today"]["score_tok_s"]
+    say(f"  new / today: update {ratio:.2f}x (goal >= 2x) {'PASS' if ratio >= 2 else 'FAIL'}, old-logprob pass "
+        f"{ratio_score:.2f}x (goal >= 2x) {'PASS' if ratio_score >= 2 else 'FAIL'}")
+    return dict(today_vs_new=out, new_vs_today_update=ratio, new_vs_today_score=ratio_score,
+                micro_tokens=args.micro_tokens, compiled_layers=args.compile)
+
+
+# ================================================================================================== main
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="qwen2.5-0.5b", help="qwen2.5-0.5b | qwen2.5-3b | tiny")
+    ap.add_argument("--vocab", type=int, default=151936, help="the tiny model's vocabulary")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch (today's path)")
+    ap.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (the new path)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                    help="compile the new path's decoder layers (trainer.compile)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--out-dir", help="write update.json and update.txt here (benchmarks/results/<machine>)")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=device.type == "cpu")
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if device.type == "cuda" else None
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    figures: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit, "device": name,
+                     "torch": torch.__version__, "peak_bf16_dense_tflops": peak_tflops}
+    say(f"command: {figures['command']}\ncommit: {commit}\ndevice: {name}, torch {torch.__version__}, peak "
+        f"{'n/a (MFU null)' if peak_tflops is None else f'{peak_tflops:g} TFLOP/s dense bf16 (NVIDIA spec sheet)'}")
+    lm = make_model(args, device)
+    n_params = sum(p.numel() for p in lm.parameters())
+    say(f"model: {args.model} (random init), {n_params / 1e6:.0f}M parameters, {lm.dtype}")
+    figures.update(model=args.model, parameters=n_params)
+    figures.update(raw_vs_update(args, lm, device, accelerator, say))
+    multi = multi_turn_batch(args.batch * 4, lm.config.vocab_size, device)
+    figures.update(padded_vs_packed(args, lm, device, accelerator, multi, say))
+    peak = None if peak_tflops is None else peak_tflops * 1e12
+    figures.update(today_vs_new(args, lm, device, accelerator, multi, peak, say))
+    if args.out_dir:
+        out = Path(args.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "update.json").write_text(json.dumps(figures, indent=2) + "\n")
+        (out / "update.txt").write_text("\n".join(lines) + "\n")
+        print(f"wrote {out / 'update.json'} and {out / 'update.txt'}")
 
 
 if __name__ == "__main__":

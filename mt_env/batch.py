@@ -144,3 +144,26 @@ def pack(batch: TrainBatch) -> Packed:
     seq_ids = torch.arange(len(batch), device=real.device)[:, None].expand_as(real)
     return Packed(batch.input_ids[real][None], batch.position_ids[real][None], seq_ids[real][None],
                   batch.loss_mask[real][None], real)
+
+
+
+def micro_batches(batch: TrainBatch, rows: torch.Tensor, max_rows: int, max_tokens: int | None = None,
+                  packed: bool = False) -> list[torch.Tensor]:
+    """`rows` (indices into `batch`, in order) split into consecutive micro-batches: of `max_rows` rows, or with
+    `max_tokens` of at most that many tokens each — packed, the rows' real tokens; padded, rows × the longest of
+    them. By tokens, each micro-batch takes rows while they fit (every one but the last is full: the next row would
+    not fit), and a row longer than `max_tokens` is a micro-batch of its own. No row is dropped, repeated or
+    reordered."""
+    if max_tokens is None:
+        return list(rows.split(max_rows))
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    lengths = batch.attention_mask[rows].sum(-1).tolist()
+    out, start, longest, total = [], 0, 0, 0
+    for k, n in enumerate(lengths):
+        cost = total + n if packed else (k - start + 1) * max(longest, n)
+        if k > start and cost > max_tokens:
+            out.append(rows[start:k])
+            start, longest, total = k, 0, 0
+        longest, total = max(longest, n), total + n
+    return out + [rows[start:]] if len(rows) else out

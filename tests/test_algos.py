@@ -171,41 +171,6 @@ def test_tool_tokens_get_exactly_zero_gradient():
     assert bool((lp_sel[loss_mask == 0] == 0).all()) and bool((ent[loss_mask > 0] > 0).all())
 
 
-def _reference_scores(logits, targets, temperature):
-    """Logprobs and entropy op by op, as the trainer computed them before `token_logprobs`."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
-
-
-@pytest.mark.parametrize("compile", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_and_their_gradients_match_the_op_by_op_computation(compile, dtype):
-    """`token_logprobs` (compiled by Inductor where the trainer compiles it: on CUDA; here on CPU when asked) gives
-    the op-by-op logprobs and entropy, and the same gradient w.r.t. the logits, for bf16 and fp32 logits."""
-    from agents.compiling import compiled
-    from trainers.modeling import token_logprobs
-
-    torch.manual_seed(0)
-    base = (torch.randn(37, 1000) * 3).to(dtype)
-    targets = torch.randint(0, 1000, (37,))
-    weights = torch.randn(37), torch.randn(37)
-    score = compiled(token_logprobs) if compile else token_logprobs
-    grads = []
-    for fn in (lambda x: score(x, targets, 0.7, True), lambda x: _reference_scores(x, targets, 0.7)):
-        logits = base.clone().requires_grad_()
-        logprobs, entropy = fn(logits)
-        ((logprobs * weights[0]).sum() + (entropy * weights[1]).sum()).backward()
-        grads.append((logprobs.detach(), entropy.detach(), logits.grad.float()))
-    (lp, ent, grad), (ref_lp, ref_ent, ref_grad) = grads
-    assert lp.dtype == ent.dtype == torch.float32
-    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
-    assert score(base, targets, 0.7, False)[1] is None
-    if compile:
-        assert score.failure is None, score.failure
-
-
 DEVICE = torch.device(os.environ.get("MT_ENV_TEST_DEVICE", "cpu"))
 IMPLEMENTATIONS = ("sdpa", "eager") + (("flex_attention",) if DEVICE.type == "cuda" else ())
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import Config, ConfigError
+from .lora import is_adapter
 from .tracking import read_metrics
 
 MANIFEST = "checkpoint.json"
@@ -184,7 +185,9 @@ def policy_state_dict(checkpoint: Path) -> dict:
 def load_policy_weights(lm, checkpoint: Path, model_from: str, state: dict | None = None) -> None:
     """Load the policy's weights of `checkpoint` into `lm`, a Hugging Face model built from `model_from` (named in
     the error): every key must match, except the output layer of a model that ties it to the embeddings (saved once,
-    as the embeddings). `state`: the checkpoint's `policy_state_dict`, when the caller has read it already."""
+    as the embeddings; and the frozen base of a LoRA run, whose checkpoints hold the adapters alone: `lm` must have
+    them, and the base it was built with stays). `state`: the checkpoint's `policy_state_dict`, when the caller has
+    read it already."""
     state = policy_state_dict(checkpoint) if state is None else state
     if lm.config.tie_word_embeddings and "lm_head.weight" in state:  # loaded, it would overwrite the embeddings
         embed = next(n for n, p in lm.named_parameters(remove_duplicate=False)
@@ -194,6 +197,8 @@ def load_policy_weights(lm, checkpoint: Path, model_from: str, state: dict | Non
                                f"embeddings")
     missing, unexpected = lm.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if lm.config.tie_word_embeddings else set()
+    if any(is_adapter(k) for k in state):  # a LoRA run's checkpoint: its adapters, on the base `lm` was built with
+        tied |= {n for n, _ in lm.named_parameters() if not is_adapter(n)}
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"{checkpoint} does not match {model_from}: missing {sorted(set(missing) - tied)[:5]}, "
                            f"unexpected {unexpected[:5]}")

@@ -79,14 +79,31 @@ def option(default: Any = dataclasses.MISSING, doc: str = "", *, factory=datacla
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the policy's linear layers: only they train, and only they (with their optimizer
+    state) are checkpointed. The KL reference is the base model — the adapters disabled, no second copy of the
+    weights; with sft.steps > 0 that is the model before the warm start. Generation runs through the adapters; SGLang
+    backends and trainers/export.py get the weights with the adapters merged."""
+
+    rank: int = option(0, "adapter rank (0: LoRA off, every weight trains)", ge=0)
+    alpha: float = option(16.0, "the adapters' product is scaled by alpha / rank", gt=0)
+    dropout: float = option(0.0, "dropout on the adapters' input in the update's forward passes", ge=0, lt=1)
+    target_modules: list = option(factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"],
+                                  doc="names of the linear layers that get adapters")
+
+
+@dataclass
 class ModelConfig:
     path: str | None = option(None, "Hugging Face model id or local directory (pretrained weights)")
-    preset: str | None = option(None, "random-init architecture preset: qwen2.5-0.5b, qwen2.5-3b (no weights needed)")
+    preset: str | None = option(None, "random-init architecture preset: qwen2.5-0.5b, qwen2.5-3b, qwen2.5-7b "
+                                      "(no weights needed)")
     config: dict = option(factory=dict, doc="Qwen2Config overrides for random init (e.g. hidden_size)")
     dtype: Dtype = option("float32", "weights and compute")
     attn_implementation: AttnImplementation = option("sdpa", "attention kernel of the trainer's forward passes")
     gradient_checkpointing: bool = option(False, "recompute activations in backward to save memory")
     critic_path: str | None = option(None, "PPO critic weights; default: initialised from the policy")
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -174,7 +191,12 @@ class TrainerConfig:
     micro_batch_size: int = option(8, "sequences per forward/backward on each process (gradient accumulation)",
                                    ge=1)
     max_grad_norm: float = option(1.0, "gradient clipping norm", gt=0)
+    micro_batch_tokens: int | None = option(None, "tokens per forward/backward on each process instead of "
+                                                  "micro_batch_size rows: packed, real tokens; padded, rows x the "
+                                                  "longest (null: micro_batch_size)", ge=1)
     packed: bool = option(False, "padding-free batches (block-diagonal attention)")
+    compile: bool = option(False, "the policy's decoder layers compiled by Inductor in the trainer's forward "
+                                  "passes (a layer that cannot compile runs eagerly)")
     eval_every: int = option(10, "steps between evaluations (0: only at the end)", ge=0)
     save_every: int = option(50, "steps between checkpoints (0: only at the end and when interrupted)", ge=0)
     keep_last: int = option(3, "complete checkpoints kept (older ones are deleted)", ge=1)
@@ -332,6 +354,10 @@ def validate(cfg: Config, training: bool = True) -> Config:
         _check_async(cfg)
     if r.backend == "sglang_server" and not r.server_urls:
         raise ConfigError("rollout.backend=sglang_server needs rollout.server_urls")
+    lora = cfg.model.lora
+    if lora.rank and (not lora.target_modules or not all(isinstance(t, str) and t for t in lora.target_modules)):
+        raise ConfigError(f"model.lora.target_modules must be a non-empty list of module names, got "
+                          f"{lora.target_modules!r}")
     if not (cfg.model.path or cfg.model.preset or cfg.model.config):
         raise ConfigError("model: give a path (pretrained), a preset or a config (random init)")
     if cfg.model.preset is not None:

@@ -8,7 +8,8 @@ A checkpoint holds accelerate's training state: the policy's weights under ``lm.
 optimizer and RNG states, and in ``hf/`` the model's config and the run's tokenizer. The export is what
 `transformers` loads: ``config.json``, ``model.safetensors`` with the model's own key names, the generation config
 and the tokenizer files as the run saved them, so ``AutoModelForCausalLM.from_pretrained(OUT)`` gives the trainer's
-logits and ``PreTrainedTokenizerFast.from_pretrained(OUT)`` its exact tokenizer.
+logits and ``PreTrainedTokenizerFast.from_pretrained(OUT)`` its exact tokenizer. A LoRA run's checkpoint holds
+the adapters alone: the export rebuilds the base as the run did and writes the weights with the adapters merged.
 
 `AutoTokenizer` honours the saved tokenizer class, except for model types that transformers maps to their own
 tokenizer class regardless — Qwen2 among them: for a Qwen2 model it builds `Qwen2Tokenizer`, Qwen's pre-tokenizer
@@ -29,6 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainers import checkpoints
+from trainers.lora import is_adapter, save_hf
 
 
 def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
@@ -41,17 +43,41 @@ def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
     if not (hf / "config.json").is_file():
         raise FileNotFoundError(f"{source} has no {checkpoints.HF_DIR}/config.json (written by an older trainer)")
     state = checkpoints.policy_state_dict(source)
-    config = AutoConfig.from_pretrained(hf)
-    model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
-    checkpoints.load_policy_weights(model, source, "its config.json", state)
+    if any(is_adapter(k) for k in state):
+        model = _merged_lora_model(source, state)
+    else:
+        config = AutoConfig.from_pretrained(hf)
+        model = AutoModelForCausalLM.from_config(config, dtype=next(iter(state.values())).dtype)
+        checkpoints.load_policy_weights(model, source, "its config.json", state)
     if (hf / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(hf)
     out = Path(out)
-    model.save_pretrained(out)
+    save_hf(model, out)
     for f in hf.iterdir():  # the tokenizer files exactly as the run saved them
         if f.name not in ("config.json", "generation_config.json"):
             shutil.copy2(f, out / f.name)
     return out, auto_tokenizer_mismatch(out)
+
+
+def _merged_lora_model(checkpoint: Path, adapters: dict):
+    """The policy of a LoRA run's checkpoint, which holds the adapters only: the base model built as the run built
+    it (its config.json beside ``checkpoints/``: ``model.path``, or the seeded random init), the adapters loaded into
+    it (`checkpoints.load_policy_weights`: every one of them must be in the checkpoint)."""
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    from trainers.config import load_config
+    from trainers.setup import make_models
+
+    run_config = checkpoint.parent.parent / "config.json"
+    if not run_config.is_file():
+        raise FileNotFoundError(f"{checkpoint} holds LoRA adapters only; their base model is described by the run's "
+                                f"config.json, which is not at {run_config}")
+    cfg = load_config(run_config, ["device=cpu"], training=False)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(checkpoint / checkpoints.HF_DIR)
+    model, _ = make_models(cfg, tokenizer, torch.device("cpu"), critic=False)
+    checkpoints.load_policy_weights(model, checkpoint, "the run's model (its config.json)", adapters)
+    return model
 
 
 def auto_tokenizer_mismatch(folder: str | Path) -> str | None:

@@ -5,15 +5,21 @@ Alignment: for a row of ``input_ids``, output position ``t`` holds the quantity 
 gave token ``t`` from the prefix before it, or the critic's value of that prefix. Both take the batch's
 ``loss_mask``: positions whose token is not trained (``loss_mask == 0``: prompt, observations, padding) hold 0, and
 only the hidden states that predict a trained token go through the LM head, so a 150k vocabulary costs nothing on
-prompt and tool tokens.
+prompt and tool tokens. Those hidden states become logprobs through `agents.logprobs.token_logprobs` (the function
+the engine shares), in chunks: no ``[tokens, vocab]`` tensor is made.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
 from agents.compiling import compiled
+from agents.logprobs import CHUNK_TOKENS, token_logprobs
+
+from .lora import has_adapters, state_dict_of_trained_only
 
 #: Architecture presets (random init) — public shapes of real models, for speed figures without weights.
 PRESETS: dict[str, dict] = {
@@ -23,6 +29,9 @@ PRESETS: dict[str, dict] = {
     "qwen2.5-3b": dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16,
                        num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1000000.0,
                        rms_norm_eps=1e-6, tie_word_embeddings=True, vocab_size=151936),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, max_position_embeddings=32768, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=False, vocab_size=152064),
 }
 
 
@@ -151,6 +160,29 @@ def _attention_kwargs(model: nn.Module, input_ids, attention_mask, position_ids,
     return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
 
 
+# --------------------------------------------------------------------------------------------- compiled layers
+def compile_layers(lm: nn.Module) -> None:
+    """From now on `lm`'s decoder layers run compiled by Inductor in forward passes without a KV cache (the
+    trainer's): one compilation with dynamic shapes for every layer (`agents.compiling`, which falls back to eager
+    if it fails), transformers' activation checkpointing included. Passes with a cache (generation on the
+    transformers path) run the layers as they are. Each layer's ``forward`` becomes an attribute of the layer:
+    deep copies made after this call share the compiled function, not the layer."""
+    for layer in getattr(lm, lm.base_model_prefix).layers:
+        if "forward" not in vars(layer):
+            layer.forward = functools.partial(_layer_forward_compiled, layer)
+
+
+def _layer_forward(layer: nn.Module, *args, **kwargs):
+    """The layer class's own forward (with transformers' checkpointing wrapper), the layer as an argument."""
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def _layer_forward_compiled(layer: nn.Module, *args, **kwargs):
+    if kwargs.get("use_cache"):
+        return _layer_forward(layer, *args, **kwargs)
+    return compiled(_layer_forward)(layer, *args, **kwargs)
+
+
 def _scored(input_ids: torch.Tensor, loss_mask: torch.Tensor):
     """The hidden states to score, as a boolean [B, L-1] (hidden state t predicts token t+1: those whose next token
     has loss mask 1), and the tokens they predict."""
@@ -165,23 +197,6 @@ def _scatter(values: torch.Tensor, scored: torch.Tensor, shape) -> torch.Tensor:
     return out
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Float32 logprobs of `targets` [N] under ``softmax(logits / temperature)`` (`logits` [N, vocab], any float
-    dtype), and that distribution's entropy [N] when asked (else None).
-
-    Why a function of its own: the trainer runs it compiled on CUDA (`PolicyModel`), where Inductor fuses the
-    float32 cast, the log-sum-exp, the gather and the entropy into a few reductions over the bf16 logits; run op by
-    op, each step materialises a float32 [N, vocab] tensor (2.5 GB for 4k tokens of a 151k vocabulary), forward and
-    backward, several times per micro-batch."""
-    z = logits.float() / temperature
-    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
-    logprobs = logp.gather(-1, targets[:, None]).squeeze(-1)
-    if not with_entropy:
-        return logprobs, None
-    return logprobs, -(logp.exp() * logp).sum(-1)
-
-
 class PolicyModel(nn.Module):
     """Wraps a Hugging Face causal LM; `forward` returns per-token logprobs (and entropy) of the trained tokens.
 
@@ -192,12 +207,16 @@ class PolicyModel(nn.Module):
     accelerate correct. `self.lm` is the plain HF model, shared (no copy) with the generation backend.
     """
 
-    def __init__(self, lm: nn.Module, vocab_limit: int | None = None):
+    def __init__(self, lm: nn.Module, vocab_limit: int | None = None, logprob_chunk_tokens: int | None = CHUNK_TOKENS):
         super().__init__()
         self.lm = lm
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
+        #: trained tokens per LM-head chunk (`agents.logprobs.token_logprobs`; None: all at once)
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         # the LM's layer classes: accelerate's FSDP wraps each of them as its own unit (its auto-wrap policy reads this)
         self._no_split_modules = getattr(lm, "_no_split_modules", None)
+        if has_adapters(lm):  # LoRA: checkpoints hold the adapters, not the frozen base (`trainers.lora`)
+            state_dict_of_trained_only(self)
 
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
@@ -207,9 +226,9 @@ class PolicyModel(nn.Module):
             **_attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids),
         ).last_hidden_state
         scored, targets = _scored(input_ids, loss_mask)
-        logits = self.lm.get_output_embeddings()(hidden[:, :-1][scored])[..., :self.vocab_limit]
-        score = compiled(token_logprobs) if logits.is_cuda else token_logprobs
-        logprobs, entropy = score(logits, targets, temperature, with_entropy)
+        logprobs, entropy = token_logprobs(hidden[:, :-1][scored], self.lm.get_output_embeddings(), targets,
+                                           temperature=temperature, vocab_limit=self.vocab_limit,
+                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
         out_lp = _scatter(logprobs, scored, input_ids.shape)
         return out_lp, None if entropy is None else _scatter(entropy, scored, input_ids.shape)
 
@@ -226,6 +245,8 @@ class CriticModel(nn.Module):
         self.head = nn.Linear(hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
+        if has_adapters(backbone):  # a copy of a LoRA policy's backbone: its base stays frozen, as the policy's
+            state_dict_of_trained_only(self)
 
     @classmethod
     def from_policy(cls, lm: nn.Module) -> CriticModel:

@@ -50,13 +50,14 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from mt_env.batch import TrainBatch, collate, pack
+from mt_env.batch import TrainBatch, collate, micro_batches, pack
 from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
 from trainers.config import Config, load_config
 from trainers.distributed import (FullStateDict, across_processes, forward_passes_everywhere, frozen_reference,
                                   fsdp_sharding, initialize_root, peak_memory)
+from trainers.lora import AdaptersOff, has_adapters
 from trainers.modeling import PolicyModel
 from trainers.rollouts import LocalRollouts, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
@@ -255,11 +256,13 @@ def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator,
     lm, critic_model = make_models(cfg, tokenizer, accelerator.device, critic=trains)
     policy = PolicyModel(lm, vocab_limit=len(tokenizer))
     uses_reference = trains and cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0
-    reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer)) if uses_reference else None
+    lora = has_adapters(lm)  # then the reference is the policy with its adapters off (`AdaptersOff`): no copy
+    reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer)) if uses_reference and not lora else None
     optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
     models = Models(*accelerator.prepare(policy, optimizer, scheduler))
     initialize_root(models.policy, accelerator.device)
+    models.reference = AdaptersOff(models.policy) if uses_reference and lora else None
     if critic_model is not None:
         critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
         models.critic, models.critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)
@@ -301,8 +304,9 @@ def score(batch: TrainBatch, models: Models, cfg: Config, old: bool = True) -> t
     """The batch with the policy's logprobs before the update (`old_logprobs`; with `old` False, None: the update
     takes its own), the reference's and the critic's values on its exact ids, computed in micro-batches; and each
     pass's seconds (``perf/<pass>_s``)."""
+    models.policy.eval()  # no dropout in the scoring passes (`update` sets train mode again)
     rows = torch.arange(len(batch), device=batch.input_ids.device)
-    chunks = list(rows.split(cfg.trainer.micro_batch_size))
+    chunks = micro_batches(batch, rows, (t := cfg.trainer).micro_batch_size, t.micro_batch_tokens, t.packed)
     # under FSDP every forward pass all-gathers: a process with fewer chunks runs one-row passes it discards
     padding = [rows[:1]] * (forward_passes_everywhere(len(chunks), models.policy) - len(chunks))
     seconds = {}
@@ -448,7 +452,7 @@ def minibatches(batch: TrainBatch, accelerator: Accelerator, cfg: Config, genera
     t, world = cfg.trainer, accelerator.num_processes
     order = torch.randperm(len(batch), generator=generator).to(batch.input_ids.device)
     splits = order.tensor_split(n_mini)
-    micro = [list(rows.split(t.micro_batch_size)) or [rows] for rows in splits]
+    micro = [micro_batches(batch, r, t.micro_batch_size, t.micro_batch_tokens, t.packed) or [r] for r in splits]
     # per mini-batch: trained tokens, sequences with any, micro-batches — from every process, in one collective
     mine = torch.stack([torch.stack([batch.loss_mask[rows].sum(), (batch.loss_mask[rows].sum(-1) > 0).sum(),
                                      torch.tensor(float(len(m)), device=order.device)]).double()

@@ -27,7 +27,8 @@ from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokeni
 
 from .config import Config, ConfigError
 from .distributed import ddp_kwargs
-from .modeling import build_causal_lm
+from .lora import add_lora, hf_weights, save_hf
+from .modeling import build_causal_lm, compile_layers
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -184,6 +185,10 @@ def make_models(cfg: Config, tokenizer, device: torch.device, critic: bool = Tru
         raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model only {lm.config.vocab_size}")
     if cfg.model.gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.model.lora.rank:
+        add_lora(lm, cfg.model.lora)
+    if cfg.trainer.compile:
+        compile_layers(lm)
     lm.config.pad_token_id = tokenizer.pad_token_id
     lm.to(device)
     if cfg.algorithm.name != "ppo" or not critic:
@@ -222,7 +227,7 @@ def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer, weights_changed: b
         path = cfg.model.path
         if weights_changed or not path:
             path = str(Path(cfg.output_dir).resolve() / f"weights-rank{local_rank}")
-            lm.save_pretrained(path)
+            save_hf(lm, path)
             tokenizer.save_pretrained(path)
         kwargs = dict(r.engine_kwargs)
         kwargs.setdefault("base_gpu_id", local_rank)  # one engine per process, on that process's GPU
@@ -239,12 +244,12 @@ async def sync_weights(backend: Any, lm: torch.nn.Module, output_dir: str) -> st
     if isinstance(backend, HFPolicy) and backend.model is lm:
         return "shared module (no copy)"
     try:
-        await backend.update_weights(named_tensors=[(n, p.detach()) for n, p in lm.named_parameters()])
+        await backend.update_weights(named_tensors=list(hf_weights(lm)))  # LoRA: the adapters merged
         await backend.flush_cache()
         return "update_weights_from_tensor"
     except NotImplementedError:
         path = str(Path(output_dir).resolve() / "weights")  # absolute: servers resolve paths on their own side
-        lm.save_pretrained(path)
+        save_hf(lm, path)
         await backend.update_weights(model_path=path)
         await backend.flush_cache()
         return "update_weights_from_disk"
