@@ -8,14 +8,13 @@ on `SlotEngine` directly — the shapes the timelines listed, then the same agai
 per shape; a pass slow both times is the kernels'. (`--profile` found the one-time cost: cuDNN's attention plans,
 built per shape, since excluded from the prefill: `agents.fast_decode.PREFILL_ATTENTION`.)
 
-    python benchmarks/bench_prefill.py --out benchmarks/results/h200/prefill.json   # on a GPU
+    python benchmarks/bench_prefill.py               # on a GPU: writes benchmarks/results/h200/prefill.json
     python benchmarks/bench_prefill.py --model tiny --device cpu                     # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 import agents.fast_decode  # noqa: E402
 from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
 from agents.policy import SamplingParams, counted  # noqa: E402
+from benchmarks import record  # noqa: E402
 from benchmarks.bench_rollout import build_model  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
 
@@ -61,8 +61,9 @@ def main():
                     "more the first time without Inductor too?)")
     ap.add_argument("--profile", action="store_true", help="after the rounds, profile passes of two unseen shapes "
                     "and print their costliest host-side ops")
-    ap.add_argument("--out", help="write the times as JSON here")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "prefill", device=args.device)
     if args.width_step:
         agents.fast_decode.PREFILL_WIDTH_STEP = args.width_step
     vocab = len(load_tokenizer("offline:qwen2.5"))  # the other benchmarks' tokenizer
@@ -83,9 +84,8 @@ def main():
         print(f"{rows:>5} {width:>6} {rows * width:>7}  " + "  ".join(f"{t[i]:>10.1f}" for t in rounds))
     if args.profile:
         profile_unseen(engine, vocab, rng)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(model=shape, shapes=SHAPES, ms=rounds, eager=args.eager,
-                                                  width_step=agents.fast_decode.PREFILL_WIDTH_STEP), indent=1))
+    rec.write(dict(model=shape, shapes=SHAPES, ms=rounds, eager=args.eager,
+                   width_step=agents.fast_decode.PREFILL_WIDTH_STEP))
 
 
 def profile_unseen(engine: SlotEngine, vocab: int, rng: random.Random) -> None:

@@ -14,14 +14,13 @@ forward rate, and the update >= 0.8x the raw forward+backward+AdamW rate. When t
 the whole batch (the smoke recipe: one epoch, one mini-batch of 256), the trainer takes the old logprobs from the
 update itself (`trainers.ppo.single_update`) and that pass does not run.
 
-    python benchmarks/bench_rl_step.py --out benchmarks/results/h200/rl_step.json          # on a GPU
+    python benchmarks/bench_rl_step.py                     # on a GPU: writes benchmarks/results/h200/rl_step.json
     python benchmarks/bench_rl_step.py --config quickstart.yaml --steps 4 --set sft.steps=0  # a CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
+from benchmarks import record  # noqa: E402
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import make_models, make_tokenizer  # noqa: E402
@@ -107,8 +107,9 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--raw-seq", type=int, help="row length of the raw baseline (default: the steps' mean sequence)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--out", help="write the figures as JSON here")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "rl_step", device="cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         rows, overrides = run_trainer(args, tmp)
     cfg = load_config(args.config, [o for o in overrides if not o.startswith("output_dir=")])
@@ -127,9 +128,7 @@ def main():
     figures["goals"] = {"step_s": {"target": GOAL_STEP_S, "passed": figures["step_s"] <= GOAL_STEP_S},
                         "phases_vs_raw": {"target": GOAL_RATIO, "worst": min(ratios.values()),
                                           "passed": min(ratios.values()) >= GOAL_RATIO}}
-    figures.update(command=" ".join([Path(sys.executable).name, *sys.argv]), config=args.config,
-                   overrides=overrides, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   torch=torch.__version__)
+    figures.update(config=args.config, overrides=overrides, torch=torch.__version__)
     old = f"{figures['old_logprob_s']:.2f}" if figures["old_logprob_s"] else "taken from the update"
     print(f"\nsteady steps {figures['steps']}: step {figures['step_s']:.2f} s "
           f"(rollout {figures['rollout_s']:.2f}, old logprobs {old}, "
@@ -147,10 +146,7 @@ def main():
         print(f"  {name:<12} {ratio:.2f}x raw  {'PASS' if ratio >= GOAL_RATIO else 'FAIL'} (goal >= {GOAL_RATIO}x)")
     print(f"  step_s {figures['step_s']:.2f}  {'PASS' if figures['step_s'] <= GOAL_STEP_S else 'FAIL'} "
           f"(goal <= {GOAL_STEP_S} s)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(figures, indent=2))
-        print(f"wrote {args.out}")
+    print(f"wrote {rec.write(figures)}")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded on the multi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from mt_env.batch import TrainBatch  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm  # noqa: E402
@@ -109,14 +109,14 @@ def main():
     ap.add_argument("--micro", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out", default=None)
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "update", device=args.device)
     device = torch.device(args.device)
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=device.type == "cpu")
-    print(f"command: {' '.join(sys.argv)}")
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}")
-    figures: dict = {"command": " ".join(sys.argv)}
+    print(f"torch {torch.__version__}")
+    figures: dict = {}
 
     # ---- 1 + 2: raw vs mt_env update on B x L padded tokens
     lm = make_model(args, device)
@@ -168,8 +168,7 @@ def main():
           f"({100 * real / slots:.0f}% real)")
     print(f"  packed / padded: {speedup:.2f}x  (goal >= 1.5x)  {'PASS' if speedup >= 1.5 else 'FAIL'}")
     figures.update(packing=results, packed_vs_padded=speedup, real_tokens=real, padded_slots=slots)
-    if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=2))
+    print(f"wrote {rec.write(figures)}")
 
 
 if __name__ == "__main__":

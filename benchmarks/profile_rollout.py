@@ -37,6 +37,7 @@ import agents.hf_policy  # noqa: E402
 import agents.rollout_processes  # noqa: E402
 from agents.hf_policy import HFPolicy, _resolve  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
+from benchmarks import record  # noqa: E402
 from benchmarks.bench_rollout import (  # noqa: E402
     KeepGoingEnv, build_model, make_driver, make_policy, make_tasks, run_engine, turn_work)
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
@@ -319,6 +320,7 @@ def main():
                             args.env_processes) if args.timeline and args.env_processes else None
     tasks = make_tasks(max(args.batch))
     report = dict(model=shape, fast_path=policy.fast_path_reason, compile=policy.compile_reason, runs={})
+    rec = record.Record(out / "profile.json", args.device)  # a diagnosis, not a record: its folder is --out
     try:
         for batch in args.batch:
             for warm in range(2):  # the shapes of this size: compiled, captured
@@ -347,7 +349,7 @@ def main():
         if processes is not None:
             processes.close()
     if report["runs"]:  # --timeline profiles nothing: an earlier profile in `out` stays
-        (out / "profile.json").write_text(json.dumps(report, indent=2))
+        rec.write(report)
 
 
 def print_report(runs: dict, batch: int) -> None:
