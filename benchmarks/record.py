@@ -186,9 +186,8 @@ def main() -> int:
         ap.error("no command after --")
     rec = start(args, args.name, args.device, args.gpus, tee=False)
     rec.provenance["command"] = shlex.join(cmd)
-    with rec.txt_path.open("w") as log:
+    with rec.txt_path.open("w", buffering=1) as log:  # line by line: a command cut by a timeout leaves its lines
         log.write(rec.header() + "\n")
-        log.flush()
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         for line in proc.stdout:
             sys.stdout.write(line)
