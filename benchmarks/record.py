@@ -1,9 +1,10 @@
 """A benchmark's result as a record: one current JSON and log per benchmark and machine, under a fixed name.
 
 ``benchmarks/results/<machine>/<bench>.json`` holds the figures with the command that made them, the commit
-(``git rev-parse HEAD``, and ``dirty``: whether tracked files outside the results differed from it) and the
-device; ``<bench>.txt`` beside it is what the run printed. ``<machine>`` is ``cpu`` or the GPU's short name with
-the number of GPUs used (``h200``, ``h200x2``). A rerun overwrites both files; git history keeps the old ones.
+(``git rev-parse HEAD``, and ``dirty``: whether tracked files outside the results differed from it), the device
+and the machine's load average when the run started; ``<bench>.txt`` beside it is what the run printed.
+``<machine>`` is ``cpu`` or the GPU's short name with the number of GPUs used (``h200``, ``h200x2``). A rerun
+overwrites both files; git history keeps the old ones.
 
     ap = argparse.ArgumentParser()
     record.add_arguments(ap)                                    # --out (default: the fixed name), --machine
@@ -34,7 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-PROVENANCE = ("command", "commit", "dirty", "device")
+PROVENANCE = ("command", "commit", "dirty", "device", "load_average")
 
 
 def results_root() -> Path:
@@ -92,6 +93,11 @@ def cpu_name() -> str:
     return f"{models[0] if models else platform.processor() or platform.machine()} ({os.cpu_count()} cores)"
 
 
+def load_average() -> float | None:
+    """The machine's 1-minute load average (a shared machine's timings depend on it); None where unknown."""
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+
+
 def device_name(device: str, gpus: int = 1) -> str:
     """``NVIDIA H200``, ``2 x NVIDIA H200`` or the CPU model with its core count."""
     if device.startswith("cpu"):
@@ -121,13 +127,14 @@ class Record:
         self.json_path = Path(json_path)
         self.txt_path = self.json_path.with_suffix(".txt")
         sha, dirty = commit()
-        self.provenance = dict(command=command(argv), commit=sha, dirty=dirty, device=device_name(device, gpus))
+        self.provenance = dict(command=command(argv), commit=sha, dirty=dirty, device=device_name(device, gpus),
+                               load_average=load_average())
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
 
     def header(self) -> str:
         dirty = " (with uncommitted changes)" if self.provenance["dirty"] else ""
         return (f"command: {self.provenance['command']}\ncommit: {self.provenance['commit']}{dirty}\n"
-                f"device: {self.provenance['device']}\n")
+                f"device: {self.provenance['device']}; load average {self.provenance['load_average']} at the start\n")
 
     def tee(self) -> Record:
         """From now on, what this process prints also goes to the log (opened anew: a rerun overwrites it)."""
