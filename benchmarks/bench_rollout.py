@@ -56,7 +56,6 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-import agents.fast_decode  # noqa: E402
 import agents.hf_policy  # noqa: E402
 import agents.rollout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
@@ -224,7 +223,8 @@ def print_row(row: dict) -> None:
               f"{p['padded_rows'] / steps:.1f} padding each), "
               f"{p['graph_replays']} graph replays, {p['stand_in_replays']} by a larger bucket's graph, "
               f"{p['graph_captures']} captures, "
-              f"{p['uncaptured_steps']} uncaptured, {p['admission_waits']} admission waits, "
+              f"{p['uncaptured_steps']} uncaptured, {p['prefilled_tokens']} tokens prefilled, "
+              f"{p['cached_tokens']} cached, {p['preemptions']} preemptions, "
               f"{p['compaction_moves']} slot moves, {p['merges']} merges, {p['separate_batches']} batches in turn, "
               f"{p['compilations']} compilations ({p['compile_s']:.1f} s)")
         host = p["busy_s"] - p["gather_s"] - p["prefill_s"] - p["launch_s"] - p["step_wait_s"]
@@ -255,7 +255,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per batch size (the median ratio is shown)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
-                    help="HFPolicy's fast path: auto = on CUDA for supported models (see agents/fast_decode.py)")
+                    help="HFPolicy's engine: auto = the paged engine on CUDA for supported models (agents/engine)")
     ap.add_argument("--no-hf-static", dest="hf_static", action="store_false",
                     help="skip the transformers generate(cache_implementation='static') baseline")
     ap.add_argument("--threads", type=int, help="torch CPU threads; default 1 on cpu (on a small shared CPU, "
@@ -265,13 +265,11 @@ def arguments() -> argparse.Namespace:
                     f"the worker serves (default {agents.hf_policy.SERVING_SWITCH_INTERVAL_S})")
     ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of the worker, in gather "
                     f"windows (default {agents.hf_policy.GATHER_CAP_WINDOWS})")
-    ap.add_argument("--admit-wait-steps", type=int, help="HFPolicy's admit_wait_steps (default: HFPolicy's own; 0 "
-                    "admits every arrival at the next step boundary)")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
                     "objects alive then are never scanned again)")
-    ap.add_argument("--decode-attention", choices=["torch", "no-cudnn"], default="torch", help="experiment: the "
-                    "decode step's attention kernels (agents.fast_decode.DECODE_ATTENTION): torch's choice, or the "
-                    "prefill's (no cuDNN)")
+    ap.add_argument("--attention", choices=["auto", "gather", "triton"], default="auto",
+                    help="the engine's decode attention kernel (agents/engine/attention.py)")
+    ap.add_argument("--prefix-cache", choices=["on", "off"], default="on", help="the engine's prefix cache")
     ap.add_argument("--env-processes", type=int, default=0, help="the driver's env work in this many processes "
                     "(agents.rollout_processes.ProcessRolloutDriver); 0: in this process (RolloutDriver)")
     ap.add_argument("--first-step", type=int, default=0, help="the rollout step (the episodes' seeds) of the "
@@ -293,8 +291,6 @@ def main():
         agents.hf_policy.SERVING_SWITCH_INTERVAL_S = args.switch_interval
     if args.gather_cap is not None:
         agents.hf_policy.GATHER_CAP_WINDOWS = args.gather_cap
-    if args.decode_attention == "no-cudnn":  # before the step is first traced: the choice is baked into its graph
-        agents.fast_decode.DECODE_ATTENTION = agents.fast_decode.PREFILL_ATTENTION
 
     tokenizer = load_tokenizer(args.tokenizer)
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -330,9 +326,10 @@ def make_tasks(n: int) -> list[dict]:
 def make_policy(cls: type[HFPolicy], model, args: argparse.Namespace, vocab: int) -> HFPolicy:
     """The engine measured (`cls`: HFPolicy or a subclass that marks its phases), for the largest batch, with the
     command line's knobs."""
-    knobs = {} if args.admit_wait_steps is None else {"admit_wait_steps": args.admit_wait_steps}
+    engine = {} if FAST_PATH[args.fast_path] is False else dict(attention=args.attention,
+                                                                  prefix_cache=args.prefix_cache == "on")
     return cls(model, max_batch_size=max(args.batch), seed=0, vocab_limit=vocab, fast_path=FAST_PATH[args.fast_path],
-               **knobs)
+               **engine)
 
 
 def make_driver(make_env, policy: HFPolicy, sampling: SamplingParams, concurrency: int, env_processes: int = 0):
@@ -352,8 +349,8 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
                   switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
-                  admit_wait_steps=policy.admit_wait_steps, env_processes=args.env_processes,
-                  first_step=args.first_step, decode_attention=args.decode_attention)
+                  env_processes=args.env_processes, first_step=args.first_step, attention=args.attention,
+                  prefix_cache=args.prefix_cache)
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} CPU thread(s)")

@@ -1,4 +1,4 @@
-"""GPU check of HFPolicy's fast path (`agents.fast_decode`) against its transformers path, in one run.
+"""GPU check of HFPolicy's paged engine (`agents.engine`) against its transformers path, in one run.
 
 For the Qwen2.5-0.5B shape (random init) in each dtype (default bf16 and fp32):
 
@@ -14,9 +14,6 @@ For the Qwen2.5-0.5B shape (random init) in each dtype (default bf16 and fp32):
 * ``noise_floor`` (bf16): the transformers path itself, the first 16 prompts in a batch of their own vs in the
   batch of all: how often bf16 rounding alone (other padding, other batch shapes) changes a greedy continuation.
   On random weights near-ties are everywhere, so the equality goal is only measurable on a trained model (below).
-* ``step_times``: one decode step (graph replay, plus the step's host work and copies) per batch bucket and
-  length bucket, in ms and tokens/s; for comparison at one or two buckets: the uncompiled step in graphs, the
-  compiled step without graphs, greedy and top-k modes.
 * ``weights`` (last: it changes the weights): after an in-place change of ``lm_head`` the fast path's output
   changes, equals the transformers path's on the new weights, and no graph is captured again (the graphs read the
   parameters in place); after ``load_state_dict(assign=True)`` (new tensors) the policy notices the reallocation,
@@ -60,7 +57,6 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-from agents.fast_decode import RowSampling, SlotEngine, decoder_layout  # noqa: E402
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
 from benchmarks import record  # noqa: E402
@@ -142,70 +138,6 @@ def check_noise_floor(model, prompts, args, dtype_name) -> dict:
     return compare(own, everyone[:16])
 
 
-def check_step_times(model, prompts, args, dtype_name) -> dict:
-    """Per (batch bucket, length bucket): ms per decode step through `SlotEngine.step`. The rows hold 16-token
-    prompts; a step attends to its whole length bucket whatever the rows' lengths."""
-    cuda = args.device == "cuda"
-    batches = [b for b in ((2, 64, 256) if args.quick else (2, 8, 64, 128, 256, 512)) if b <= args.max_batch]
-    lengths = ((1024,) if args.quick else (256, 512, 1024, 2048)) if cuda else (256,)
-    engine = engine_for(model, max(batches), 2 * max(lengths), compile=cuda)
-    fill(engine, prompts, max(batches), SamplingParams(temperature=1.0))
-    rows, rng = [], random.Random(0)
-    first = time.perf_counter()
-    for b in batches:
-        for length in lengths:
-            rows.append(dict(batch=b, length=length, mode="sample", graphs=cuda, compiled=cuda,
-                             **time_steps(engine, b, length, "sample", rng, args.steps)))
-    grid_s = time.perf_counter() - first
-    b, length = min(256, max(batches)), min(1024, max(lengths))
-    plain = engine_for(model, b, 2 * length, compile=False)  # the uncompiled step, for comparison
-    fill(plain, prompts, b, SamplingParams(temperature=1.0))
-    for size in sorted({min(64, b), b}):
-        rows.append(dict(batch=size, length=length, mode="sample", graphs=cuda, compiled=False,
-                         **time_steps(plain, size, length, "sample", rng, args.steps)))
-    for mode, graphs in (("sample", False), ("greedy", True), ("truncate", True)):
-        if mode == "truncate":  # top-k 50 on every row: the sort runs
-            fill(engine, prompts, b, SamplingParams(temperature=1.0, top_k=50))
-        engine.cuda_graphs = graphs
-        rows.append(dict(batch=b, length=length, mode=mode, graphs=graphs and cuda, compiled=cuda,
-                         **time_steps(engine, b, length, mode, rng, args.steps)))
-    return dict(steps=rows, graphs_captured=engine.graphs, cache_gib=round(engine.cache_bytes() / 2**30, 2),
-                compile=engine.compile_reason, capture_failure=engine.capture_failure,
-                compilations=engine.stats["compilations"],
-                compile_s=round(engine.stats["compile_s"], 1), grid_s=round(grid_s, 1))
-
-
-def engine_for(model, slots: int, cache_len: int, compile: bool) -> SlotEngine:
-    return SlotEngine(model, decoder_layout(model), max_slots=slots, max_cache_len=cache_len,
-                      vocab_size=model.config.vocab_size, cuda_graphs=True, compile=compile)
-
-
-def fill(engine: SlotEngine, prompts, rows: int, params: SamplingParams) -> None:
-    """Prefill slots [0, rows) with 16-token prompts sampled with `params`."""
-    with torch.no_grad():
-        for start in range(0, rows, 64):
-            slots = list(range(start, min(start + 64, rows)))
-            sampling = RowSampling.draw([params] * len(slots), [random.Random(s) for s in slots], engine.vocab_size)
-            engine.prefill(slots, [prompts[s % len(prompts)][:16] for s in slots], sampling)
-
-
-def time_steps(engine: SlotEngine, rows: int, length: int, mode: str, rng: random.Random, steps: int) -> dict:
-    def uniforms():
-        return None if mode == "greedy" else [rng.random() for _ in range(rows)]
-
-    with torch.no_grad():
-        start = time.perf_counter()
-        engine.step(rows, length, uniforms(), mode)  # compiles and captures if needed
-        synchronize()
-        first = time.perf_counter() - start
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step(rows, length, uniforms(), mode)
-        synchronize()
-    ms = (time.perf_counter() - start) / steps * 1e3
-    return dict(ms_per_step=round(ms, 3), tok_s=round(rows / ms * 1e3), first_step_s=round(first, 2))
-
-
 def check_weights(model, prompts, args, dtype_name) -> dict:
     subset = prompts[:8]
 
@@ -236,7 +168,7 @@ def check_weights(model, prompts, args, dtype_name) -> dict:
 
 CHECKS = [("equality", check_equality), ("graphs_vs_eager", check_graphs_vs_eager),
           ("compiled_vs_uncompiled", check_compiled_vs_uncompiled), ("noise_floor", check_noise_floor),
-          ("step_times", check_step_times), ("weights", check_weights)]
+          ("weights", check_weights)]
 
 
 # --------------------------------------------------------------------------------------------- the trained model
@@ -354,11 +286,6 @@ def run_trained(args, report: dict, out: record.Record) -> None:
 
 
 # --------------------------------------------------------------------------------------------- running
-def synchronize() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def guarded(name: str, fn, *args) -> dict:
     start = time.perf_counter()
     try:
@@ -401,8 +328,6 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), help="default bf16 fp32 (bf16 with --quick)")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--max-batch", type=int, default=512, help="largest batch bucket timed")
-    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per bucket")
     ap.add_argument("--only", nargs="+", choices=[name for name, _ in CHECKS] + ["trained"],
                     help="run only these checks")
     ap.add_argument("--quick", action="store_true", help="fewer buckets, bf16 only, a shorter training")

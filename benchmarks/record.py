@@ -16,7 +16,7 @@ overwrites both files; git history keeps the old ones.
 ``$MT_ENV_COMMIT`` (``<sha>`` or ``<sha>-dirty``) names the commit where the checkout has no git metadata.
 As a command, it records any other command's output under a fixed name (the CUDA test log):
 
-    python benchmarks/record.py cuda_tests --device cuda -- python -m pytest tests/test_fast_decode.py
+    python benchmarks/record.py cuda_tests --device cuda -- python -m pytest tests/test_engine.py
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
 #   bash benchmarks/run_gpu.sh step1     # 1 GPU: an RL step of the GSM8K smoke recipe, phase by phase -> h200/rl_step
 #   bash benchmarks/run_gpu.sh update    # 1 GPU: the update vs raw fwd+bwd+AdamW, then the fast path's check
 #                                        #   -> h200/update, h200/gpu_engine_check
-#   bash benchmarks/run_gpu.sh tests     # 1 GPU: the CUDA tests (fast path, HF backend, trainer math)
+#   bash benchmarks/run_gpu.sh tests     # 1 GPU: the CUDA tests (engine, Triton attention, HF backend, trainer math)
 #                                        #   -> h200/cuda_tests.txt
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
@@ -72,8 +72,8 @@ case "${1:-}" in
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
   tests)
     timeout 500 python3 benchmarks/record.py cuda_tests --device cuda -- env MT_ENV_TEST_DEVICE=cuda python3 -m \
-      pytest tests/test_fast_decode.py tests/test_policy_hf.py tests/test_algos.py -q -p no:cacheprovider 2>&1 \
-      | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
+      pytest tests/test_engine.py tests/test_triton_attention.py tests/test_policy_hf.py tests/test_algos.py -q \
+      -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   scaling)
     keep_scaling_runs
     timeout 590 python3 benchmarks/bench_scaling.py --work /tmp/bench_scaling --budget 560 \

@@ -1,7 +1,8 @@
-"""The fast decode path (`agents.fast_decode`) against HFPolicy's transformers path, on tiny random Qwen2, Qwen3 and
-Llama models: same tokens and logprobs, rows joining and leaving, slot compaction and reuse, cancellation, memory
+"""The paged engine (`agents.engine`) against HFPolicy's transformers path, on tiny random Qwen2, Qwen3 and Llama
+models: same tokens and logprobs, rows joining and leaving, slot compaction and reuse, cancellation, memory
 release, reallocated weights, fallbacks; overlapped steps (the tokens of one step at a time, the wasted row-steps
-counted) and the worker's switch interval; the sampler's arithmetic; property tests of the slot bookkeeping.
+counted) and the worker's switch interval; the sampler's arithmetic; property tests of the slot bookkeeping. The
+prefix cache, the block pool and preemption have their own file (tests/test_prefix_cache.py).
 
 On CPU the decode step runs eagerly (the very functions a CUDA graph captures), and compiled by Inductor in the
 tests that say so; with ``MT_ENV_TEST_DEVICE=cuda`` the same tests run captured in CUDA graphs, and the equality
@@ -26,12 +27,15 @@ from hypothesis import strategies as st
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from agents import compiling, fast_decode
-from agents.fast_decode import (CAPTURE_ON_USE, COMPILED_FUNCTIONS, PREFILL_GRAPH_ROWS, PREFILL_GRAPH_TOKENS,
-                                PREFILL_WIDTH_STEP, SAMPLING_MODES, STEP_FUNCTIONS, RowSampling, SlotEngine, SlotTable,
-                                admission_waits, batch_buckets, bucket_for, decoder_layout, lone_prefill_keys,
-                                next_prefill_group, one_prefill_pass_takes, prefill_graph_key, prefill_groups,
-                                prefill_width, sample_tokens, stand_in)
+from agents import compiling
+from agents.engine import EngineConfig, decoder_layout, new_stats
+from agents.engine import config as knobs
+from agents.engine.blocks import BlockPool
+from agents.engine.graphs import CAPTURE_ON_USE, stand_in
+from agents.engine.layers import COMPILED_FUNCTIONS, STEP_FUNCTIONS
+from agents.engine.model_runner import ModelRunner, PrefillRow, prefill_graph_key, prefill_width
+from agents.engine.sampler import SAMPLING_MODES, RowSampling, sample_tokens
+from agents.engine.scheduler import SlotTable, batch_buckets, bucket_for
 from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
 from agents.policy import GenerationError, PolicyError, SamplingParams
 
@@ -119,7 +123,7 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
     prompts = PROMPTS[:5]
 
     async def main():
-        async with HFPolicy(arch_model, **FAST, admit_wait_steps=0) as policy:  # admitted at the next boundary
+        async with HFPolicy(arch_model, **FAST) as policy:  # admitted at the next boundary
             tasks = []
             for p, q in zip(prompts, params):
                 tasks.append(asyncio.create_task(policy.generate(p, q)))
@@ -134,16 +138,15 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
     assert stats["prefill_passes"] == 5  # every arrival joined the running batch
 
 
-def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_get_alone(model):
-    """Four long rows decode; three requests arrive a step or more apart. With a wait longer than the long rows, the
-    three (fewer than the decoding rows) wait until those end and share one prefill; with `admit_wait_steps=0`
-    each is admitted at the next step boundary. Each row's tokens are those it gets alone."""
+def test_arrivals_are_admitted_at_the_next_step_boundary_and_get_what_they_get_alone(model):
+    """Four long rows decode; three requests arrive a step or more apart: each is admitted at the next step boundary
+    and decodes beside the long rows. Each row's tokens are those it gets alone."""
     params = [SamplingParams(temperature=0.9, max_new_tokens=60, seed=i) for i in range(4)]
     params += [SamplingParams(temperature=0.9, max_new_tokens=n, seed=10 + n) for n in (5, 17, 3)]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 
-    async def main(wait):
-        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, **FAST, admit_wait_steps=wait) as policy:
+    async def main():
+        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, **FAST) as policy:
             tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
             for p, q in zip(prompts[4:], params[4:]):
                 passes = policy.stats["decode_passes"]
@@ -152,34 +155,29 @@ def test_arrivals_that_wait_for_admission_share_one_prefill_and_get_what_they_ge
                 tasks.append(asyncio.create_task(policy.generate(p, q)))
             return await asyncio.gather(*tasks), dict(policy.stats)
 
-    alone = each_alone(model, prompts, params)
-    waited, stats = run(main(wait=1_000))
-    assert_same(waited, alone)
-    assert stats["prefill_passes"] == 2 and stats["admission_waits"] > 0
-    assert stats["decode_passes"] >= 59 + 16  # the three started after the long rows
-    at_once, stats = run(main(wait=0))
-    assert_same(at_once, alone)
+    at_once, stats = run(main())
+    assert_same(at_once, each_alone(model, prompts, params))
     # (two arrivals a step apart may still meet at one boundary: the worker takes what is queued when it looks)
-    assert stats["prefill_passes"] >= 3 and stats["admission_waits"] == 0
+    assert stats["prefill_passes"] >= 3
     assert stats["decode_passes"] < 59 + 16  # they decoded beside the long rows
 
 
 def passes_of_four_rows(monkeypatch, release: threading.Event | None = None) -> tuple[threading.Event, list[int]]:
     """A prefill budget of four rows of width 16, and the rows of each pass recorded; the event returned is set at
     the first pass, which then waits for `release` when given."""
-    monkeypatch.setattr(fast_decode, "PREFILL_TOKENS", 4 * PREFILL_WIDTH_STEP)
+    monkeypatch.setattr(knobs, "PREFILL_TOKENS", 4 * knobs.PREFILL_WIDTH_STEP)
     started, passes = threading.Event(), []
-    prefill = SlotEngine.prefill
+    prefill = ModelRunner.prefill
 
-    def recorded(engine, slots, prompts, sampling):
-        passes.append(len(prompts))
+    def recorded(runner, rows, sampling):
+        passes.append(len(rows))
         if len(passes) == 1:
             started.set()
             if release is not None:
                 release.wait(30)
-        return prefill(engine, slots, prompts, sampling)
+        return prefill(runner, rows, sampling)
 
-    monkeypatch.setattr(SlotEngine, "prefill", recorded)
+    monkeypatch.setattr(ModelRunner, "prefill", recorded)
     return started, passes
 
 
@@ -225,13 +223,6 @@ def test_a_gather_ends_once_the_waiting_fill_a_prefill_pass(model, monkeypatch):
     assert_same(together, each_alone(model, prompts, params))
 
 
-@given(lengths=st.lists(st.integers(1, 70_000), min_size=1, max_size=300), cap=st.integers(16, 65_536))
-def test_one_prefill_pass_takes_the_prompts_exactly_when_the_next_group_is_all_of_them(lengths, cap):
-    lengths = [min(n, cap) for n in lengths]
-    assert one_prefill_pass_takes(len(lengths), max(lengths), cap) == (
-        len(next_prefill_group(lengths, cap)) == len(lengths))
-
-
 def test_arrivals_that_outnumber_the_decoding_rows_are_gathered_into_one_prefill(model):
     """One long row decodes; six requests arrive a few milliseconds apart (a batch whose turns ended together,
     while an early finisher decodes alone). They are gathered as an idle worker gathers: one prefill pass for the
@@ -254,23 +245,6 @@ def test_arrivals_that_outnumber_the_decoding_rows_are_gathered_into_one_prefill
     alone = each_alone(model, prompts, params)
     assert_same(together, alone)
     assert stats["prefill_passes"] == 2 and stats["gather_s"] > 0
-
-
-@given(waited=st.lists(st.integers(0, 50), max_size=12), decoding=st.integers(0, 64), wait=st.integers(0, 60),
-       more=st.integers(1, 20))
-def test_admission_waits_are_bounded(waited, decoding, wait, more):
-    """Waiting requests go at once when no row decodes or they are at least as many as the decoding rows; else they
-    wait exactly while the longest wait is under `wait` steps. Waiting longer, or a shorter bound, never turns a
-    go into a wait; nobody waits `wait` steps or more."""
-    waits = admission_waits(waited, decoding, wait)
-    if not waited or not decoding or len(waited) >= decoding:
-        assert not waits
-    else:
-        assert waits == (max(waited) < wait)
-    if not waits:
-        assert not admission_waits([w + more for w in waited], decoding, wait)
-        assert not admission_waits(waited, decoding, wait // 2)
-    assert not admission_waits([wait] + waited, decoding, wait)
 
 
 def test_compaction_moves_the_last_rows_down_and_keeps_their_outputs(model):
@@ -421,7 +395,7 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
 
     async def main(**path):
         # arrivals admitted at the next step boundary: the third wave takes the slots as they free up
-        async with HFPolicy(model, max_batch_size=256, max_cache_len=128, admit_wait_steps=0, **path) as policy:
+        async with HFPolicy(model, max_batch_size=256, max_context_len=128, **path) as policy:
             tasks = []
             for wave in range(0, 300, 100):
                 tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in
@@ -432,7 +406,7 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
                 for i in doomed & set(range(wave, wave + 100)):
                     tasks[i].cancel()
             gens = await asyncio.gather(*tasks, return_exceptions=True)
-            lengths = await policy._in_worker(lambda: policy._engine.slot_lengths()) if policy.fast_path else []
+            lengths = await policy._in_worker(policy._engine.runner.slot_lengths) if policy.fast_path else []
             return gens, dict(policy.stats), lengths
 
     fast, stats, lengths = run(main(**FAST), timeout=300)
@@ -451,7 +425,8 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
 # ------------------------------------------------------------------------------------------------- memory, limits
 def test_release_and_resume_memory(model):
     layout = decoder_layout(model)
-    expected = 2 * len(layout.layers) * 4 * layout.kv_heads * 512 * layout.head_dim * 4  # float32, 4 slots x 512
+    blocks = 4 * 512 // 16 + 1  # the default pool: 4 sequences x the 512-token context, and the null block
+    expected = 2 * len(layout.layers) * blocks * 16 * layout.kv_heads * layout.head_dim * 4  # float32
 
     async def main():
         async with HFPolicy(model, max_batch_size=4, **FAST) as policy:
@@ -475,11 +450,11 @@ def test_release_and_resume_memory(model):
     assert again.ids == first.ids and again.logprobs == first.logprobs
 
 
-def test_max_cache_len_bounds_prompt_and_generation(model):
+def test_max_context_len_bounds_prompt_and_generation(model):
     async def main():
-        async with HFPolicy(model, max_cache_len=16, **FAST) as policy:
+        async with HFPolicy(model, max_context_len=16, **FAST) as policy:
             assert policy.max_context_len == 16
-            with pytest.raises(ValueError, match="no room.*max_cache_len"):
+            with pytest.raises(ValueError, match="no room.*16 tokens"):
                 await policy.generate(list(range(1, 17)), SamplingParams(max_new_tokens=4))
             return await policy.generate(list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=20))
 
@@ -554,10 +529,13 @@ def test_auto_takes_the_fast_path_on_cuda_only(model):
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(fast_path="yes"), "fast_path"),
-                                             (dict(max_cache_len=1), "max_cache_len"),
-                                             (dict(admit_wait_steps=-1), "admit_wait_steps")])
+                                             (dict(max_context_len=1), "max_context_len"),
+                                             (dict(block_size=0), "block_size"),
+                                             (dict(kv_blocks=1), "kv_blocks"),
+                                             (dict(attention="flash"), "attention"),
+                                             (dict(max_cache_len=64), "max_cache_len")])
 def test_bad_fast_path_arguments_are_rejected(model, kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, TypeError), match=message):
         HFPolicy(model, **kwargs)
 
 
@@ -654,12 +632,40 @@ def test_batch_buckets_bound_the_padding(size):
         assert n <= b <= size and b - n <= (32 if n <= 256 else 64)
 
 
-@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=60), budget=st.integers(1, 20000))
-def test_prefill_groups_partition_the_prompts_within_the_budget(lengths, budget):
-    groups = prefill_groups(lengths, budget)
-    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
-    for g in groups:
-        assert len(g) == 1 or len(g) * max(lengths[i] for i in g) <= budget
+# ------------------------------------------------------------------------------------------------- the model runner
+BLOCK = 4  #: the runner tests' block size: a 96-position context spans 24 blocks
+
+
+def make_runner(model, slots: int = 8, context: int = 96, compile: bool = False, cuda_graphs: bool = False):
+    """A model runner of `slots` rows and `context` positions, with a pool that gives every row its whole context
+    (the tests' steps then need no new blocks)."""
+    config = EngineConfig(max_seqs=slots, max_context_len=context, block_size=BLOCK, compile=compile,
+                          cuda_graphs=cuda_graphs)
+    blocks = slots * context // BLOCK + 1
+    runner = ModelRunner(model, decoder_layout(model), config, max_context_len=context, num_blocks=blocks,
+                         vocab_size=VOCAB, stats=new_stats())
+    return runner, BlockPool(blocks, BLOCK)
+
+
+def prefill_rows(runner, pool, slots, prompts, params=None, generators=None):
+    """Prefill `prompts` into `slots` (each with blocks for the whole context); returns the rows, and the tokens and
+    logprobs sampled (greedy unless `params`)."""
+    params = params or [SamplingParams(temperature=0)] * len(prompts)
+    rows = [PrefillRow(slot, pool.allocate(pool.blocks_for(runner.max_context_len)), prompt, 0)
+            for slot, prompt in zip(slots, prompts)]
+    sampling = RowSampling.draw(params, generators or [None] * len(prompts), VOCAB)
+    with torch.no_grad():
+        return rows, runner.prefill(rows, sampling)
+
+
+def row_kv(runner, row: PrefillRow, length: int) -> list[torch.Tensor]:
+    """A row's K and V of every layer over its first `length` positions."""
+    positions = [row.blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
+    return [t.clone() for layer in range(len(runner.layout.layers)) for t in runner.kv(layer, positions)]
+
+
+def step(runner, rows, need, uniforms, mode):
+    return runner.collect(runner.launch(rows, need, uniforms, mode))
 
 
 @pytest.fixture(scope="module")
@@ -668,32 +674,28 @@ def small_engine_model():
 
 
 @given(lengths=st.lists(st.integers(1, 24), min_size=1, max_size=8), data=st.data())
-def test_compaction_keeps_each_rows_kv_and_position(small_engine_model, lengths, data):
-    model = small_engine_model
-    engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=32, vocab_size=VOCAB,
-                        cuda_graphs=False)
+def test_compaction_moves_each_rows_position_and_block_table_and_no_kv(small_engine_model, lengths, data):
+    runner, pool = make_runner(small_engine_model, context=32)
     table = SlotTable(8)
-    rows = list(range(len(lengths)))
-    slots = table.acquire(rows)
-    prompts = [[(7 * r + j) % VOCAB for j in range(n)] for r, n in zip(rows, lengths)]
-    greedy = RowSampling.draw([SamplingParams(temperature=0)] * len(rows), [None] * len(rows), VOCAB)
-    with torch.no_grad():
-        engine.prefill(slots, prompts, greedy)
-    leaving = data.draw(st.lists(st.sampled_from(rows), unique=True, max_size=len(rows) - 1))
+    ids = list(range(len(lengths)))
+    slots = table.acquire(ids)
+    prompts = [[(7 * r + j) % VOCAB for j in range(n)] for r, n in zip(ids, lengths)]
+    rows, _ = prefill_rows(runner, pool, slots, prompts)
+    leaving = data.draw(st.lists(st.sampled_from(ids), unique=True, max_size=len(ids) - 1))
     table.release([slots[r] for r in leaving])
-    engine.free([slots[r] for r in leaving])
-    kept = {slot: row for slot, row in table.occupied()}
-    before = {row: [t[slot, :, :lengths[row]].clone() for t in engine.kv(0) + engine.kv(1)]
-              for slot, row in kept.items()}
+    runner.free([slots[r] for r in leaving])
+    before = {r: row_kv(runner, rows[r], lengths[r]) for _, r in table.occupied()}
     moves = table.compact()
-    engine.move(moves, filled=max(lengths))
-    now = engine.slot_lengths()
-    for slot, row in table.occupied():
-        assert now[slot] == lengths[row]
-        after = [t[slot, :, :lengths[row]] for t in engine.kv(0) + engine.kv(1)]
-        assert all(torch.equal(a, b) for a, b in zip(after, before[row]))
+    counter = OpCounter()
+    with counter:
+        runner.move(moves)
+    now = runner.slot_lengths()
+    for slot, r in table.occupied():
+        assert now[slot] == lengths[r]
+        assert runner.block_table(slot)[:len(rows[r].blocks)] == list(rows[r].blocks)
+        assert all(torch.equal(a, b) for a, b in zip(row_kv(runner, rows[r], lengths[r]), before[r]))
     held = {slot for slot, _ in table.occupied()}
-    assert all(now[slot] == 0 for slot in range(8) if slot not in held)  # moved-from and left slots are free
+    assert all(now[slot] == 0 and set(runner.block_table(slot)) == {0} for slot in range(8) if slot not in held)
 
 
 class OpCounter(TorchDispatchMode):
@@ -714,18 +716,15 @@ def test_moving_and_clearing_slots_costs_the_same_ops_whatever_the_layer_count()
     counts = []
     for layers in (2, 6):
         model = build("qwen2", seed=3, num_hidden_layers=layers)
-        engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=32, vocab_size=VOCAB,
-                            cuda_graphs=False)
-        greedy = RowSampling.draw([SamplingParams(temperature=0)] * 2, [None] * 2, VOCAB)
-        with torch.no_grad():
-            engine.prefill([5, 6], [[1, 2, 3], [4, 5]], greedy)
+        runner, pool = make_runner(model, context=32)
+        rows, _ = prefill_rows(runner, pool, [5, 6], [[1, 2, 3], [4, 5]])
         counter = OpCounter()
         with counter:
-            engine.move([(5, 0), (6, 1)], filled=3)
-            engine.free([0], clear=True)
+            runner.move([(5, 0), (6, 1)])
+            runner.free([0], zero_blocks=rows[0].blocks)
         counts.append(counter.ops)
-        assert engine.slot_lengths()[:2] == [0, 2] and all(torch.equal(t[0], torch.zeros_like(t[0]))
-                                                         for t in engine.kv(layers - 1))
+        assert runner.slot_lengths()[:2] == [0, 2]
+        assert all(torch.equal(t, torch.zeros_like(t)) for t in row_kv(runner, rows[0], 3))
     assert counts[0] == counts[1]
 
 
@@ -745,32 +744,29 @@ def fresh_compilations(monkeypatch):
     torch._dynamo.reset()
 
 
-def prefilled(model, rows: int, max_slots: int, compile: bool = False, warm: bool = False):
-    """An eager-step engine (length step 16, 96 cache positions) with `rows` of four prompts (3 to 20 tokens)
-    prefilled into slots 0.., sampled with seeds 0..; returns it and the prefill's tokens and logprobs. `warm`:
-    `SlotEngine.warm_buckets` first."""
-    engine = SlotEngine(model, decoder_layout(model), max_slots=max_slots, max_cache_len=96, vocab_size=VOCAB,
-                        cuda_graphs=False, compile=compile, length_step=16)
+def prefilled(model, rows: int, slots: int, compile: bool = False, warm: bool = False):
+    """A runner (96 positions) with `rows` of four prompts (3 to 20 tokens) prefilled into slots 0.., sampled with
+    seeds 0..; returns it and the prefill's tokens and logprobs. `warm`: `ModelRunner.warm_buckets` first."""
+    runner, pool = make_runner(model, slots=slots, compile=compile)
     if warm:
-        engine.warm_buckets()
+        runner.warm_buckets()
     params = [SamplingParams(temperature=1.0, seed=i) for i in range(rows)]
     prompts = [[1, 2, 3], [4] * 9, [5] * 20, [6, 7]][:rows]
-    return engine, engine.prefill(list(range(rows)), prompts,
-                                  RowSampling.draw(params, [random.Random(i) for i in range(rows)], VOCAB))
+    _, first = prefill_rows(runner, pool, list(range(rows)), prompts, params, [random.Random(i) for i in range(rows)])
+    return runner, first
 
 
-def engine_steps(model, compile: bool, modes=("sample",), warm: bool = False) -> tuple[list, SlotEngine]:
-    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48. `warm`:
-    `SlotEngine.warm_buckets` first."""
+def engine_steps(model, compile: bool, modes=("sample",), warm: bool = False) -> tuple[list, ModelRunner]:
+    """Four rows prefilled, then 24 steps: batch bucket 4 (every slot), then 2; length buckets 16 to 48."""
     rng = random.Random(0)
-    with torch.no_grad():
-        engine, first = prefilled(model, rows=4, max_slots=4, compile=compile, warm=warm)
+    with torch.no_grad(), mock.patch.object(knobs, "LENGTH_STEP", 16):
+        runner, first = prefilled(model, rows=4, slots=4, compile=compile, warm=warm)
         out = [first]
-        for step in range(24):
-            rows = 4 if step < 12 else 2
-            need = max(engine.slot_lengths()[:rows]) + 1
-            out.append(engine.step(rows, need, [rng.random() for _ in range(rows)], modes[step % len(modes)]))
-    return out, engine
+        for i in range(24):
+            rows = 4 if i < 12 else 2
+            need = max(runner.slot_lengths()[:rows]) + 1
+            out.append(step(runner, rows, need, [rng.random() for _ in range(rows)], modes[i % len(modes)]))
+    return out, runner
 
 
 KEYS = st.tuples(st.integers(1, 300), st.integers(1, 4096), st.sampled_from(SAMPLING_MODES))
@@ -792,18 +788,18 @@ def test_a_stand_in_is_the_smallest_captured_bucket_covering_the_step(key, captu
 
 def test_a_step_run_by_a_larger_buckets_graph_gives_the_rows_what_their_own_bucket_gives(model):
     """What a stand-in runs: the step over more slots (free ones as padding) and a longer attended length. The
-    live rows get the same tokens and logprobs, and the engine the same slot state, step after step."""
+    live rows get the same tokens and logprobs, and the runner the same slot state, step after step."""
     def steps(extra_rows: int, extra_length: int):
         rng = random.Random(0)
         with torch.no_grad():
-            engine, first = prefilled(model, rows=3, max_slots=8)
+            runner, first = prefilled(model, rows=3, slots=8)
             out = [first]
             for _ in range(12):
-                need = max(engine.slot_lengths()[:3]) + 1
+                need = max(runner.slot_lengths()[:3]) + 1
                 uniforms = [rng.random() for _ in range(4)] + [0.5] * extra_rows
-                tokens, logprobs = engine.step(4 + extra_rows, need + extra_length, uniforms, "sample")
+                tokens, logprobs = step(runner, 4 + extra_rows, need + extra_length, uniforms, "sample")
                 out.append((tokens[:3], logprobs[:3]))
-        return out, engine.slot_lengths()[:3]
+        return out, runner.slot_lengths()[:3]
 
     own, own_lengths = steps(0, 0)
     larger, larger_lengths = steps(4, 40)
@@ -813,31 +809,32 @@ def test_a_step_run_by_a_larger_buckets_graph_gives_the_rows_what_their_own_buck
 
 
 def test_warming_the_buckets_changes_no_rows_outputs_and_needs_free_slots(model):
-    warmed, engine = engine_steps(model, compile=False, modes=SAMPLING_MODES, warm=True)
+    warmed, runner = engine_steps(model, compile=False, modes=SAMPLING_MODES, warm=True)
     plain, _ = engine_steps(model, compile=False, modes=SAMPLING_MODES)
     assert warmed == plain
     with pytest.raises(RuntimeError, match="before any row holds a slot"):
-        engine.warm_buckets()  # its rows still hold their slots
+        runner.warm_buckets()  # its rows still hold their slots
 
 
 def test_prefill_attention_never_allows_cudnn_and_decode_attention_is_torchs_choice(model, monkeypatch):
-    """cuDNN's attention builds a plan per new shape (40-100 ms on an H200, while every decoding row waits), and a
-    prefill pass's (rows, width) change all the time: its SDPA calls run with cuDNN disabled. The decode step's few
-    bucketed shapes keep torch's choice (`DECODE_ATTENTION` None). Checked on the functions the engine compiles."""
+    """cuDNN's attention builds a plan per new shape while every decoding row waits, and a prefill pass's shapes
+    change all the time: its SDPA calls run with cuDNN disabled. The decode step's few bucketed shapes keep torch's
+    choice. (A prefill pass's mask is causal or boolean; the gather decode's is additive.)"""
     import torch.nn.functional as F
 
     seen = []
     sdpa = F.scaled_dot_product_attention
 
     def recording(q, *args, **kwargs):
-        seen.append((kwargs.get("is_causal", False), torch.backends.cuda.cudnn_sdp_enabled()))  # prefill: causal
+        mask = kwargs.get("attn_mask")
+        prefill = kwargs.get("is_causal", False) or (mask is not None and mask.dtype == torch.bool)
+        seen.append((prefill, torch.backends.cuda.cudnn_sdp_enabled()))
         return sdpa(q, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
     engine_steps(model, compile=False)
-    prefill = {enabled for is_prefill, enabled in seen if is_prefill}
-    assert prefill == {False}
+    assert {enabled for is_prefill, enabled in seen if is_prefill} == {False}
     assert {enabled for is_prefill, enabled in seen if not is_prefill} == {cudnn_before}
     assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before  # restored after each call
 
@@ -847,13 +844,13 @@ def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for
         fresh_compilations):
     model = build("qwen3", num_hidden_layers=4)
     eager, _ = engine_steps(model, compile=False)
-    compiled, engine = engine_steps(model, compile=True)
+    compiled, runner = engine_steps(model, compile=True)
     for (ids, logprobs), (ref_ids, ref_logprobs) in zip(compiled, eager, strict=True):
         assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
     # one per function: not one per layer (4), batch bucket (2), length bucket (3) or prefill shape
-    assert engine.stats["compilations"] == len(COMPILED_FUNCTIONS) and engine.compile_reason.startswith("on:")
+    assert runner.stats["compilations"] == len(COMPILED_FUNCTIONS) and runner.compile_reason.startswith("on:")
     _, again = engine_steps(model, compile=True)
-    assert again.stats["compilations"] == 0  # another engine reuses the compiled code
+    assert again.stats["compilations"] == 0  # another runner reuses the compiled code
 
 
 @CPU_INDUCTOR
@@ -869,7 +866,6 @@ def test_inductor_records_are_dropped_only_on_a_thread_compiling_for_the_engine(
     """A failed compilation is reported by `compile_reason`; Inductor's dump of it (hundreds of lines at CRITICAL,
     from torch._inductor.scheduler) is dropped while our thread compiles. Other threads and loggers still log."""
     import logging
-    import threading
 
     seen = []
 
@@ -899,62 +895,53 @@ def test_a_failed_compilation_leaves_the_step_eager_and_says_why(fresh_compilati
     model = build("qwen2").cpu()
     eager, _ = engine_steps(model, compile=False, modes=("greedy", "sample"))
     with fresh_cache(), config.patch({"compile_threads": 1, "cpp.cxx": ("/nonexistent/c++",)}):
-        fallback, engine = engine_steps(model, compile=True, modes=("greedy", "sample"))
+        fallback, runner = engine_steps(model, compile=True, modes=("greedy", "sample"))
     assert fallback == eager
-    assert engine.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in engine.compile_reason
-    assert engine.stats["compilations"] == 0
+    assert runner.compile_reason.startswith("off: ") and "InvalidCxxCompiler" in runner.compile_reason
+    assert runner.stats["compilations"] == 0
 
 
 @given(longest=st.integers(1, 5000), cap=st.integers(2, 5000))
-def test_prefill_width_is_padded_to_few_sizes_within_the_cache(longest, cap):
-    """A pass's width covers its longest prompt, is a multiple of PREFILL_WIDTH_STEP (fewer shapes) unless
-    the cache ends first, and adds less than one step of padding."""
+def test_prefill_width_is_padded_to_few_sizes_within_the_context(longest, cap):
+    """A pass's width covers its longest row, is a multiple of PREFILL_WIDTH_STEP (fewer shapes) unless the context
+    ends first, and adds less than one step of padding."""
     assume(longest <= cap)  # a longer prompt is rejected before: it does not fit
     width = prefill_width(longest, cap)
-    assert longest <= width <= cap and width - longest < PREFILL_WIDTH_STEP
-    assert width % PREFILL_WIDTH_STEP == 0 or width == cap
+    step_ = knobs.PREFILL_WIDTH_STEP
+    assert longest <= width <= cap and width - longest < step_
+    assert width % step_ == 0 or width == cap
 
 
-@given(rows=st.integers(1, 64), longest=st.integers(1, 5000), cap=st.integers(2, 5000))
-def test_small_prefill_passes_get_a_graph_key_of_few_widths(rows, longest, cap):
-    """A pass of at most PREFILL_GRAPH_ROWS rows gets a graph of its rows and of a width covering its own: a power of
-    two (at least PREFILL_WIDTH_STEP) unless the cache ends first, less than twice its own, the graph within
-    PREFILL_GRAPH_TOKENS; a pass gets none only when more rows or about twice those tokens."""
-    assume(longest <= cap)
+@given(rows=st.integers(1, 64), longest=st.integers(1, 5000), read=st.integers(0, 5000), cap=st.integers(2, 5000))
+def test_small_prefill_passes_get_a_graph_key_of_few_shapes(rows, longest, read, cap):
+    """A pass of at most PREFILL_GRAPH_ROWS rows gets a graph of its rows, of a width covering its own and of a read
+    length covering its own (0 when it reads nothing back): powers of two (at least PREFILL_WIDTH_STEP) unless the
+    context ends first, less than twice its own, the graph within PREFILL_GRAPH_TOKENS; a pass gets none only when
+    more rows or about twice those tokens."""
+    assume(longest <= cap and read <= cap)
     width = prefill_width(longest, cap)
-    key = prefill_graph_key(rows, width, cap)
+    key = prefill_graph_key(rows, width, read, cap)
+    step_, most_rows, most_tokens = knobs.PREFILL_WIDTH_STEP, knobs.PREFILL_GRAPH_ROWS, knobs.PREFILL_GRAPH_TOKENS
     if key is None:
-        assert rows > PREFILL_GRAPH_ROWS or 2 * rows * max(width, PREFILL_WIDTH_STEP) > PREFILL_GRAPH_TOKENS
+        assert rows > most_rows or 2 * rows * max(width, step_) > most_tokens
         return
-    graph_rows, graph_width = key
-    assert graph_rows == rows <= PREFILL_GRAPH_ROWS and rows * graph_width <= PREFILL_GRAPH_TOKENS
-    assert width <= graph_width <= cap and graph_width < 2 * max(width, PREFILL_WIDTH_STEP)
-    assert graph_width == cap or (graph_width & (graph_width - 1) == 0 and graph_width >= PREFILL_WIDTH_STEP)
+    graph_rows, graph_width, graph_read = key
+    assert graph_rows == rows <= most_rows and rows * graph_width <= most_tokens
+    for own, graph in ((width, graph_width), (read, graph_read)):
+        if own == 0:
+            assert graph == 0
+            continue
+        assert own <= graph <= cap and graph < 2 * max(own, step_)
+        assert graph == cap or (graph & (graph - 1) == 0 and graph >= step_)
 
 
-@given(longest=st.integers(1, 5000), cap=st.integers(2, 5000))
-def test_every_lone_rows_prefill_pass_has_a_key_captured_up_front(longest, cap):
-    """`lone_prefill_keys` (captured when the cache is allocated) holds the graph key of a one-row pass of any
-    prompt the cache takes, once each."""
-    assume(longest <= cap)
-    keys = lone_prefill_keys(cap)
-    assert len(set(keys)) == len(keys) and all(rows == 1 for rows, _ in keys)
-    key = prefill_graph_key(1, prefill_width(longest, cap), cap)
-    assert key is None or key in keys
-    assert (key is None) == (prefill_width(longest, cap) > PREFILL_GRAPH_TOKENS)
-
-
-def prefill_outputs(model, prompts, slots, cuda_graphs: bool = False, engine: SlotEngine | None = None):
-    """Greedy prefill of `prompts` into `slots` of an engine (8 slots of 160 positions); returns the engine, the
+def prefill_outputs(model, prompts, slots, cuda_graphs: bool = False, runner=None):
+    """Greedy prefill of `prompts` into `slots` of a runner (8 slots of 160 positions); returns the runner, the
     tokens and logprobs, and each row's K/V (every layer) over its prompt."""
-    engine = engine or SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=160, vocab_size=VOCAB,
-                                  cuda_graphs=cuda_graphs)
-    greedy = RowSampling.draw([SamplingParams(temperature=0)] * len(prompts), [None] * len(prompts), VOCAB)
-    with torch.no_grad():
-        tokens, logprobs = engine.prefill(slots, prompts, greedy)
-    kv = [[t[slot, :, :len(p)].clone() for layer in range(len(engine.layout.layers)) for t in engine.kv(layer)]
-          for slot, p in zip(slots, prompts)]
-    return engine, tokens, logprobs, kv
+    runner, pool = runner or make_runner(model, context=160, cuda_graphs=cuda_graphs)
+    rows, (tokens, logprobs) = prefill_rows(runner, pool, slots, prompts)
+    kv = [row_kv(runner, row, len(p)) for row, p in zip(rows, prompts)]
+    return (runner, pool), tokens, logprobs, kv
 
 
 def assert_same_prefill(got, expected):
@@ -964,46 +951,25 @@ def assert_same_prefill(got, expected):
         assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(row, ref_row, strict=True))
 
 
-@pytest.mark.parametrize("step", [1, 64, 160])  # 160: the whole cache
-def test_the_width_a_prefill_pass_is_padded_to_changes_no_rows_outputs(model, step):
-    """A small pass replays a graph at a width rounded up further than an uncaptured pass's: right padding is never
-    attended, so the tokens, logprobs and each row's K/V are those of the pass at its own width."""
+@pytest.mark.parametrize("width_step", [1, 64, 160])  # 160: the whole context
+def test_the_width_a_prefill_pass_is_padded_to_changes_no_rows_outputs(model, width_step):
+    """Right padding is never attended and writes the null block: the tokens, logprobs and each row's K/V are those
+    of the pass at its own width."""
     prompts, slots = [[1, 2, 3], list(range(30, 67)), [9] * 20], [5, 0, 2]
-    with mock.patch.object(fast_decode, "PREFILL_WIDTH_STEP", 1):
+    with mock.patch.object(knobs, "PREFILL_WIDTH_STEP", 1):
         exact = prefill_outputs(model, prompts, slots)
-    with mock.patch.object(fast_decode, "PREFILL_WIDTH_STEP", step):
+    with mock.patch.object(knobs, "PREFILL_WIDTH_STEP", width_step):
         assert_same_prefill(prefill_outputs(model, prompts, slots), exact)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA (MT_ENV_TEST_DEVICE=cuda)")
-def test_a_lone_rows_prefill_pass_replays_a_graph_captured_with_the_cache_and_gives_the_uncaptured_pass():
-    """With the cache, the one-row passes of every width are captured (their K/V written to slot 0, which no row
-    holds); a lone row's pass then replays its graph at once, whatever its slot (0 included) and length, and gives
-    the tokens, logprobs and K/V of an engine without graphs."""
-    model = tiny_model(seed=6)
-    engine = SlotEngine(model, decoder_layout(model), max_slots=8, max_cache_len=160, vocab_size=VOCAB,
-                        cuda_graphs=True)
-    engine.allocate()
-    lone = len(lone_prefill_keys(160))
-    assert engine.stats["prefill_graph_captures"] == lone == 5  # widths 16, 32, 64, 128 and the whole cache
-    reference = None
-    for n, slot in [(3, 0), (37, 4), (150, 7), (20, 0)]:
-        prompt = [[(7 * j + n) % VOCAB for j in range(n)]]
-        got = prefill_outputs(model, prompt, [slot], engine=engine)
-        expected = prefill_outputs(model, prompt, [slot], engine=reference)
-        reference = expected[0]
-        assert_same_prefill(got, expected)
-    assert engine.stats["prefill_graph_captures"] == lone and engine.stats["prefill_graph_replays"] == 4
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA (MT_ENV_TEST_DEVICE=cuda)")
 def test_small_prefill_passes_replay_a_graph_that_gives_what_the_uncaptured_pass_gives():
     """A pass of a few rows is captured on its CAPTURE_ON_USE-th use and replayed from then on; every pass gives the
-    tokens, logprobs and K/V an engine without graphs gives — with other prompts of the same (rows, width) key,
-    other slots, after an in-place weight change (the graph reads the parameters), and after the parameters are
-    reallocated (the graph is dropped and captured again at once)."""
+    tokens, logprobs and K/V a runner without graphs gives — with other prompts of the same key, other slots, after
+    an in-place weight change (the graph reads the parameters), and after the parameters are reallocated (the graph
+    is dropped and captured again at once)."""
     model = tiny_model(seed=5)
-    engine, reference = None, None
+    runner, reference = None, None
     for k in range(CAPTURE_ON_USE + 3):
         prompts = [[(k + 3 * j) % VOCAB + 1 for j in range(10 + k)], [k + 7] * (40 - k)]  # width 48, graph 64
         slots = [k % 8, (k + 3) % 8]
@@ -1012,13 +978,16 @@ def test_small_prefill_passes_replay_a_graph_that_gives_what_the_uncaptured_pass
                 model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))
         if k == CAPTURE_ON_USE + 2:
             model.load_state_dict({n: t.clone() for n, t in model.state_dict().items()}, assign=True)
-            engine.check_module(busy=False)
-        got = prefill_outputs(model, prompts, slots, cuda_graphs=True, engine=engine)
-        engine = got[0]
-        expected = prefill_outputs(model, prompts, slots, engine=reference)
+            runner[0].check_module(busy=False)
+        if runner is not None:  # each pass with fresh blocks
+            runner = (runner[0], BlockPool(runner[1].num_blocks, BLOCK))
+        got = prefill_outputs(model, prompts, slots, cuda_graphs=True, runner=runner)
+        runner = got[0]
+        expected = prefill_outputs(model, prompts, slots, runner=reference and (reference[0],
+                                                                                BlockPool(reference[1].num_blocks,
+                                                                                          BLOCK)))
         reference = expected[0]
         assert_same_prefill(got, expected)
-    stats = engine.stats
-    lone = len(lone_prefill_keys(engine.max_cache_len))  # captured when the cache was allocated
-    assert stats["prefill_graph_captures"] == 2 + lone and stats["module_reallocations"] == 1
+    stats = runner[0].stats
+    assert stats["prefill_graph_captures"] == 2 and stats["module_reallocations"] == 1
     assert stats["prefill_graph_replays"] == 4  # the uses from the CAPTURE_ON_USE-th on
