@@ -18,8 +18,9 @@ floor (`benchmarks/floor_step.py`, same process, at the workload's batch and mea
 Goals (issue 27): prefilled <= 1.15x new on A and B; tok/s with the cache >= 2.0x (A) and 1.4x (B) without; decode
 step <= 1.2x the floor at batch 256 on A.
 
-    python benchmarks/bench_agent.py --device cuda --workloads A B gsm8k --out benchmarks/results/h200/agent.json
-    python benchmarks/bench_agent.py --device cuda --workloads serve7b --kv-gib 100 --out .../agent_7b.json
+    python benchmarks/bench_agent.py --device cuda --workloads A B gsm8k     # writes benchmarks/results/h200/agent.json
+    python benchmarks/bench_agent.py --device cuda --workloads serve7b --kv-gib 100 \
+        --out benchmarks/results/h200/agent_7b.json
     python benchmarks/bench_agent.py --scale 0.05                      # CPU: a tiny model, the shapes scaled down
 """
 
@@ -31,8 +32,6 @@ import dataclasses
 import json
 import os
 import random
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams, counted  # noqa: E402
+from benchmarks import record  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
 
 from floor_step import SHAPE_0_5B, floor_step_ms  # noqa: E402
@@ -224,17 +224,6 @@ def _peak_gib() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-def header(args) -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
-    except OSError:
-        commit = None
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    return dict(command=shlex.join([sys.executable, *sys.argv]), commit=commit, device=device,
-                torch=torch.__version__, scale=args.scale)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=["A", "B"], choices=["A", "B", "gsm8k", "serve7b"])
@@ -246,10 +235,10 @@ def main() -> None:
     ap.add_argument("--env-processes", type=int, default=4, help="the gsm8k workload's env processes")
     ap.add_argument("--kv-gib", type=float, default=100.0, help="serve7b: the KV pool's size")
     ap.add_argument("--serve-seqs", type=int, default=512, help="serve7b: sequences at once")
-    ap.add_argument("--out", help="write the figures as JSON here")
+    record.add_arguments(ap)
     args = ap.parse_args()
-    out = header(args) | dict(workloads=[])
-    print("command:", out["command"], "| device:", out["device"])
+    rec = record.start(args, "agent", device=args.device)
+    out = dict(torch=torch.__version__, scale=args.scale, workloads=[])
     model, tokenizer = None, None
     for name in args.workloads:
         if name != "serve7b" and model is None:
@@ -271,9 +260,7 @@ def main() -> None:
             row = run_serve7b(args)
         out["workloads"].append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("on", "off")}, default=str))
-        if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(out, indent=1, default=str))
+        rec.write(out)  # after each workload: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ conversation with the chat template and tokenize all of it.
 Goals (issue 2): per-turn cost flat in the number of turns (16-turn ≤ 1.5× 1-turn), ≥ 10× cheaper than the
 re-render baseline at 16 turns, and the drift check on a 16-turn conversation ≤ ~1 full re-tokenization.
 
-    python benchmarks/bench_conversation.py [--repeats 30]
+    python benchmarks/bench_conversation.py [--repeats 30]      # writes benchmarks/results/cpu/conversation.json
 """
 
 from __future__ import annotations
@@ -15,13 +15,18 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 
-from mt_env.batch import collate, pack
-from mt_env.chat_format import ChatFormat
-from mt_env.conformance import check_template
-from mt_env.conversation import Conversation
-from mt_env.tokenizer import offline_tokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
+
+from benchmarks import record  # noqa: E402
+from mt_env.batch import collate, pack  # noqa: E402
+from mt_env.chat_format import ChatFormat  # noqa: E402
+from mt_env.conformance import check_template  # noqa: E402
+from mt_env.conversation import Conversation  # noqa: E402
+from mt_env.tokenizer import offline_tokenizer  # noqa: E402
 
 TOOL = {"type": "function", "function": {
     "name": "calc_gsm8k_reward", "description": "A tool for calculating the reward of gsm8k",
@@ -94,7 +99,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--batch", type=int, default=64, help="conversations per batch in the batching figures")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "conversation")
     rng = random.Random(0)
     fmt = ChatFormat(offline_tokenizer("qwen2.5"), tools=[TOOL])
     assert check_template(fmt).conforms
@@ -135,6 +142,10 @@ def main():
     print(f"  speedup vs re-render at 16 turns {speedup:5.1f}x  (goal >= 10x)   {'PASS' if speedup >= 10 else 'FAIL'}")
     print(f"  drift check / full tokenization  {drift_ratio:5.2f}x  (goal <= ~1x)  "
           f"{'PASS' if drift_ratio <= 1.2 else 'FAIL'}")
+    rec.write(dict(repeats=args.repeats, per_turn_us={t: dict(build=b * 1e6, rerender=r * 1e6)
+                                                      for t, (b, r) in per_turn.items()},
+                   cost_16_vs_1_turns=flat, speedup_vs_rerender_16_turns=speedup,
+                   drift_check_vs_tokenization=drift_ratio))
 
 
 if __name__ == "__main__":

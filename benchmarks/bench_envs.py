@@ -14,7 +14,7 @@ GSM8K rows come round again thousands of episodes later, long after their pieces
 Goals: (issue 3) >= 20k env-steps/s on 2 cores for GSM8kTool with the tokenizer off; (issue 12) with the tokenizer
 on, 256 envs step at least as fast per env-step as one env (the ratio of the two rates, measured in the same run).
 
-    python benchmarks/bench_envs.py [--data ../shared/data/gsm8k] [--episodes 24]
+    python benchmarks/bench_envs.py [--data ../shared/data/gsm8k] [--episodes 24]   # writes results/cpu/envs.json
 """
 
 from __future__ import annotations
@@ -22,17 +22,21 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 
-import mt_env  # noqa: F401
-from envs.gsm8k_tool import GSM8kToolEnv
-from mt_env.parsers import HermesParser, ToolCall
-from mt_env.turn import ModelTurn
-from mt_env.vector import ToolVectorEnv
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
+
+import mt_env  # noqa: F401, E402
+from benchmarks import record  # noqa: E402
+from envs.gsm8k_tool import GSM8kToolEnv  # noqa: E402
+from mt_env.parsers import HermesParser, ToolCall  # noqa: E402
+from mt_env.turn import ModelTurn  # noqa: E402
+from mt_env.vector import ToolVectorEnv  # noqa: E402
 
 REPEATS = 3  # each rate is the median of this many runs (the machine is shared and noisy)
 REASONING = ("Let me work through this. First I find the quantities given in the problem, then I combine them "
@@ -95,7 +99,9 @@ def main():
     default_data = str(Path(__file__).resolve().parents[2] / "shared/data/gsm8k")
     ap.add_argument("--data", default=os.environ.get("MT_ENV_GSM8K", default_data))
     ap.add_argument("--episodes", type=int, default=24, help="episodes per env (each 3 steps) in each of the runs")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "envs")
     print(f"GSM8kTool-v0, data {args.data}; {args.episodes} episodes x 3 steps per env, median of {REPEATS} runs; "
           f"cpu threads: {os.cpu_count()}\n")
     print(f"{'vector env':<26} {'envs':>5} {'tokenizer':>10} {'env-steps/s':>12}")
@@ -125,6 +131,10 @@ def main():
     print(f"256 envs vs 1 env (tokenizer on): {ratio:.2f}x")
     print(f"goal >= 1.0x (issue 12: a step costs no more with 256 envs than with one): {ratio:.2f}x  "
           f"{'PASS' if ratio >= 1.0 else 'FAIL'}")
+    sync = results.pop("sync")
+    rec.write(dict(episodes=args.episodes, repeats=REPEATS, sync_vector_env_256=sync, vs_sync_256=goal / sync,
+                   tool_vector_env={f"tokenizer_{'on' if t else 'off'}_{n}": r for (t, n), r in results.items()},
+                   tokenizer_on_256_vs_1=ratio))
 
 
 if __name__ == "__main__":

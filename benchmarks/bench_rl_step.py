@@ -20,7 +20,7 @@ the 7B recipe on one GPU) reports step time and peak memory; its raw baseline is
 same model, with its AdamW state, is not what it is compared with, and would not fit beside it), and its MFU counts
 the full model's 6 x parameters as for the others.
 
-    python benchmarks/bench_rl_step.py --out benchmarks/results/h200/rl_step.json          # on a GPU
+    python benchmarks/bench_rl_step.py                     # on a GPU: writes benchmarks/results/h200/rl_step.json
     python benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 \
         --out benchmarks/results/h200/rl_step_7b_lora.json                                # 7B LoRA on one GPU
     python benchmarks/bench_rl_step.py --config quickstart.yaml --steps 4 --set sft.steps=0  # a CPU smoke run
@@ -29,7 +29,6 @@ the full model's 6 x parameters as for the others.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
+from benchmarks import record  # noqa: E402
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
@@ -149,13 +149,6 @@ def parameter_count(cfg) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
-def _commit() -> str | None:
-    import subprocess
-
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parent).stdout.strip() or None
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -168,17 +161,16 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--raw-seq", type=int, help="row length of the raw baseline (default: the steps' mean sequence)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--out", help="write the figures as JSON here")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "rl_step", device="cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         rows, overrides = run_trainer(args, tmp)
     cfg = load_config(args.config, [o for o in overrides if not o.startswith("output_dir=")])
     figures = steady(rows, args.warmup)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     figures.update(phase_rates(figures, cfg, args, device))
-    figures.update(command=" ".join([Path(sys.executable).name, *sys.argv]), config=args.config,
-                   overrides=overrides, device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   torch=torch.__version__, commit=_commit())
+    figures.update(config=args.config, overrides=overrides, torch=torch.__version__)
     old = f"{figures['old_logprob_s']:.2f}" if figures["old_logprob_s"] else "taken from the update"
     print(f"\nsteady steps {figures['steps']}: step {figures['step_s']:.2f} s "
           f"(rollout {figures['rollout_s']:.2f}, old logprobs {old}, "
@@ -202,10 +194,7 @@ def main():
         print(f"  {name:<12} {ratio:.2f}x raw  {'PASS' if ratio >= GOAL_RATIO else 'FAIL'} (goal >= {GOAL_RATIO}x)")
     print(f"  step_s {figures['step_s']:.2f}  {'PASS' if figures['step_s'] <= GOAL_STEP_S else 'FAIL'} "
           f"(goal <= {GOAL_STEP_S} s)")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(figures, indent=2))
-        print(f"wrote {args.out}")
+    print(f"wrote {rec.write(figures)}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ where they take longer than a step, the host is the bottleneck.
 
     python benchmarks/bench_rollout.py                                   # CPU: tiny random Qwen2, batch 64 and 256
     python benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --new-tokens 128 --batch 64 256 512 \
-        --out benchmarks/results/h200/rollout.json
+        --env-processes 8 --repeats 5                                    # writes benchmarks/results/h200/rollout.json
     python benchmarks/bench_rollout.py ... --fast-path off               # HFPolicy's transformers path instead
     python benchmarks/bench_rollout.py ... --env-processes 4             # envs in 4 processes (ProcessRolloutDriver)
 """
@@ -42,9 +42,7 @@ import asyncio
 import faulthandler
 import functools
 import gc
-import json
 import os
-import shlex
 import sys
 import time
 import traceback
@@ -64,6 +62,7 @@ from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams, counted  # noqa: E402
 from agents.rollout import RolloutResult  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
+from benchmarks import record  # noqa: E402
 from envs.calculator import CalculatorEnv  # noqa: E402
 from mt_env.sample import Seg  # noqa: E402
 from mt_env.tokenizer import load_tokenizer  # noqa: E402
@@ -276,13 +275,14 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--first-step", type=int, default=0, help="the rollout step (the episodes' seeds) of the "
                     "first timed run; run r of the i-th batch size is step first + 1000 i + r (two codes compared on "
                     "the same steps play the same token work)")
-    ap.add_argument("--out", help="write the figures as JSON here")
+    record.add_arguments(ap)
     return ap.parse_args()
 
 
 def main():
     faulthandler.enable(all_threads=True)  # a crash in native code still prints every thread's Python stack
     args = arguments()
+    args.record = record.start(args, "rollout", device=args.device)
     threads = args.threads or (1 if args.device == "cpu" else None)
     if threads:
         torch.set_num_threads(threads)
@@ -342,7 +342,7 @@ def make_driver(make_env, policy: HFPolicy, sampling: SamplingParams, concurrenc
 def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
     """The run's settings (the JSON's header), printed."""
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    header = dict(command=shlex.join([sys.executable, *sys.argv]), device=device, torch=torch.__version__,
+    header = dict(torch=torch.__version__,
                   transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
                   tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
                   compile=policy.compile_reason,
@@ -351,7 +351,6 @@ def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
                   gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
                   env_processes=args.env_processes, first_step=args.first_step, attention=args.attention,
                   prefix_cache=args.prefix_cache)
-    print("command:", header["command"])
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} CPU thread(s)")
@@ -392,8 +391,7 @@ def measure_sizes(driver, policy: HFPolicy, tasks: list[dict], args, header: dic
 
 
 def write(rows: list[dict], args, header: dict) -> None:
-    if args.out:
-        Path(args.out).write_text(json.dumps(header | dict(goals=verdict(rows), batches=rows), indent=2))
+    args.record.write(header | dict(goals=verdict(rows), batches=rows))
 
 
 def report_end(rows: list[dict], args, header: dict) -> None:
@@ -410,9 +408,8 @@ def report_end(rows: list[dict], args, header: dict) -> None:
         state = "not measured" if v["worst"] is None else \
             f"worst {v['worst']:.3f}x  {'PASS' if v['passed'] else 'FAIL'}"
         print(f"goal: {goal.replace('_vs_', ' >= ' + str(v['target']) + 'x ')} at every batch size: {state}")
-    if args.out:
-        write(rows, args, header)
-        print(f"wrote {args.out}")
+    write(rows, args, header)
+    print(f"wrote {args.record.json_path}")
 
 
 def _raise_recompile_limit() -> None:

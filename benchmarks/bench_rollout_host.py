@@ -5,7 +5,7 @@ Why: on the H200 the smoke recipe's rollout (256 GSM8K episodes) took 1.7-2.1 s,
 first request and after the last turn. With a `ScriptedPolicy` (random ids of the recipe's `max_new_tokens`, no
 model) the whole rollout is that work, measured here by itself on any machine.
 
-    python benchmarks/bench_rollout_host.py                       # the GSM8K smoke recipe ($MT_ENV_GSM8K)
+    python benchmarks/bench_rollout_host.py       # the GSM8K smoke recipe ($MT_ENV_GSM8K): cpu/rollout_host.json
     python benchmarks/bench_rollout_host.py --profile 25          # and the costliest functions of one rollout
 """
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from agents.policy import SamplingParams  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
 from agents.scripted import ScriptedPolicy  # noqa: E402
+from benchmarks import record  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import TaskSource, env_factory, make_tokenizer  # noqa: E402
 
@@ -35,7 +36,9 @@ def main():
     ap.add_argument("--rollouts", type=int, default=5, help="timed rollouts (on new tasks each), after one warm-up")
     ap.add_argument("--profile", type=int, metavar="N",
                     help="profile one more rollout; print its N costliest functions")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "rollout_host")
     cfg = load_config(args.config, ["device=cpu"])
     tokenizer = make_tokenizer(cfg)
     make_env = env_factory(cfg, tokenizer)
@@ -61,6 +64,7 @@ def main():
         print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted policy: "
               f"median {median:.3f} s a rollout ({median / episodes * 1e3:.2f} ms an episode; runs "
               + ", ".join(f"{s:.3f}" for s in seconds) + ")")
+        rec.write(dict(config=args.config, episodes=episodes, rollout_s=median, runs_s=seconds))
         if args.profile:
             profiler = cProfile.Profile()
             profiler.runcall(rollout, 1 + args.rollouts)

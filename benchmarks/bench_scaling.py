@@ -1,7 +1,7 @@
 """Two GPUs against one: the synchronous trainer's weak and strong scaling, the one-step off-policy mode, DDP
 correctness and FSDP2 with the 3B shape — one command that writes ``scaling.json``.
 
-    python benchmarks/bench_scaling.py --out benchmarks/results/h200x2 --fsdp3b
+    python benchmarks/bench_scaling.py --fsdp3b       # writes benchmarks/results/h200x2/scaling.json
 
 Every configuration runs `trainers/ppo.py` on the GSM8K smoke recipe (random init, Qwen2.5-0.5B's shape,
 ``gsm8k_smoke_random_0.5b.yaml``) in its own subprocess, with its own run directory and a timeout; a failure is
@@ -19,8 +19,9 @@ A step's time is ``perf/step_s`` from metrics.jsonl (rollout + update, without e
 figure of a run is the median over the steps after ``--warmup`` (compilation, cache and graph warm-up). Episodes per
 second = episodes per step / that median. ``speedup_weak`` and ``speedup_strong`` are the 2-GPU runs' episodes per
 second over one GPU's; ``sync_step_s`` is ``2gpu_strong``'s step time, ``async_step_s`` the async run's (same global
-batch). Out of the run directories four files go to ``--out``: ``scaling.json``, ``scaling.txt`` (the summary and
-each run's log tail), ``scaling_runs.jsonl`` (every run's step rows) and ``scaling_logs.tar.gz`` (the full logs).
+batch). Out of the run directories three files go to the results (`benchmarks/record.py`): ``scaling.json``,
+``scaling.txt`` (the summary and each run's log tail) and ``scaling_runs.jsonl`` (every run's step rows); the full
+logs go to ``--work`` (``scaling_logs.tar.gz``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import record  # noqa: E402
 from trainers.checkpoints import scan  # noqa: E402
 from trainers.tracking import read_metrics  # noqa: E402
 
@@ -166,14 +168,17 @@ def step_figures(run_dir: Path, warmup: int) -> dict:
             "medians": {k: statistics.median(r[k] for r in timed if k in r) for k in keys}}
 
 
-def earlier_runs(out: Path) -> dict:
-    """The runs of an earlier report in `out` (with their step rows), so that a run repeated with --only replaces
-    its own entry and keeps the others."""
-    path = out / "scaling.json"
-    if not path.is_file():
+def rows_path(rec: record.Record) -> Path:
+    return rec.json_path.with_name(rec.json_path.stem + "_runs.jsonl")
+
+
+def earlier_runs(rec: record.Record) -> dict:
+    """The runs of an earlier report at `rec`'s place (with their step rows), so that a run repeated with --only
+    replaces its own entry and keeps the others."""
+    if not rec.json_path.is_file():
         return {}
-    runs = json.loads(path.read_text()).get("runs", {})
-    rows_file = out / "scaling_runs.jsonl"
+    runs = json.loads(rec.json_path.read_text()).get("runs", {})
+    rows_file = rows_path(rec)
     for line in rows_file.read_text().splitlines() if rows_file.is_file() else []:
         row = json.loads(line)
         runs.setdefault(row.pop("run"), {}).setdefault("rows", []).append(row)
@@ -200,17 +205,18 @@ def summary(results: dict) -> dict:
     }
 
 
-def write(out: Path, results: dict, meta: dict) -> dict:
+def write(rec: record.Record, results: dict, meta: dict) -> dict:
     report = {**summary(results), **meta,
               "commands": {k: v["command"] for k, v in results.items()},
               "runs": {k: {x: y for x, y in v.items() if x not in ("rows", "log_tail")} for k, v in results.items()}}
-    (out / "scaling.json").write_text(json.dumps(report, indent=2, default=str))
-    with (out / "scaling_runs.jsonl").open("w") as f:
+    rec.write(report)
+    with rows_path(rec).open("w") as f:
         for name, r in results.items():
             for row in r.get("rows", []):
                 f.write(json.dumps({"run": name, **row}) + "\n")
-    lines = [f"{k}: {report[k]}" for k in ("speedup_weak", "speedup_strong", "update_matches_1gpu", "fsdp_3b_step_s",
-                                           "fsdp_3b_peak_gib", "async_step_s", "sync_step_s", "async_speedup")]
+    lines = [rec.header()] + [f"{k}: {report[k]}" for k in (
+        "speedup_weak", "speedup_strong", "update_matches_1gpu", "fsdp_3b_step_s", "fsdp_3b_peak_gib", "async_step_s",
+        "sync_step_s", "async_speedup")]
     for name, r in results.items():
         lines += ["", f"== {name}: {r['status']} in {r['wall_s']}s", f"   {r['command']}"]
         if "step_s" in r:
@@ -219,13 +225,13 @@ def write(out: Path, results: dict, meta: dict) -> dict:
                          f"GiB, checkpoints {r.get('checkpoints')}")
             lines += [f"     {k} {v:.3f}" for k, v in r["medians"].items()]
         lines += [f"   | {line}" for line in r.get("log_tail", [])]
-    (out / "scaling.txt").write_text("\n".join(lines) + "\n")
+    rec.txt_path.write_text("\n".join(lines) + "\n")
     return report
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "h200x2"))
+    record.add_arguments(ap)
     ap.add_argument("--work", default="/tmp/bench_scaling", help="run directories and full logs")
     ap.add_argument("--data", default=None, help="GSM8K directory (train.jsonl, test.jsonl); default $MT_ENV_GSM8K "
                                                  "or shared/data/gsm8k")
@@ -234,22 +240,22 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median")
     ap.add_argument("--fsdp3b", action="store_true", help="also the 3B shape under FSDP2")
     ap.add_argument("--fsdp-steps", type=int, default=3)
-    ap.add_argument("--only", default=None, help="comma-separated run names (an earlier report in --out keeps the "
+    ap.add_argument("--only", default=None, help="comma-separated run names (the earlier report at --out keeps the "
                                                  "other runs)")
     ap.add_argument("--run-timeout", type=float, default=170.0, help="seconds per run (FSDP: 120 more)")
     ap.add_argument("--budget", type=float, default=550.0, help="seconds for everything: runs that cannot start "
                                                                 "with 45s left are skipped")
     args = ap.parse_args()
-    start, out, work = time.perf_counter(), Path(args.out), Path(args.work)
-    out.mkdir(parents=True, exist_ok=True)
+    start, work = time.perf_counter(), Path(args.work)
+    rec = record.start(args, "scaling", device="cuda", gpus=2, tee=False)
     work.mkdir(parents=True, exist_ok=True)
     data = gsm8k_data(args.data)
     if data is None:
         raise SystemExit("bench_scaling: no GSM8K data (train.jsonl, test.jsonl): pass --data DIR or set $MT_ENV_GSM8K")
     env = repo_env(**NCCL_ENV, MT_ENV_GSM8K=data)
-    meta = {"command": " ".join(sys.argv), "gsm8k": data, "prompts": args.prompts, "steps": args.steps,
+    meta = {"gsm8k": data, "prompts": args.prompts, "steps": args.steps,
             "warmup": args.warmup, "machine": machine()}
-    results: dict = earlier_runs(out) if args.only else {}
+    results: dict = earlier_runs(rec) if args.only else {}
     runs = [r for r in plan(args, work) if not args.only or r["name"] in args.only.split(",")]
     for run in runs:
         left = args.budget - (time.perf_counter() - start)
@@ -257,7 +263,7 @@ def main() -> int:
             results[run["name"]] = {"status": "skipped: out of time", "wall_s": 0, "command": " ".join(run["cmd"])}
             continue
         print(f"[{time.perf_counter() - start:5.0f}s] {run['name']} ...", flush=True)
-        r = execute(run, work, env, min(run["timeout"], left - 10))
+        r = execute(run, work, env, min(run["timeout"], left - 10)) | {"commit": rec.provenance["commit"]}
         if run["name"] == "ddp_check" and (work / "ddp_check.json").is_file():
             r["report"] = json.loads((work / "ddp_check.json").read_text())
         else:
@@ -268,9 +274,9 @@ def main() -> int:
         results[run["name"]] = r
         print(f"         {r['status']} in {r['wall_s']}s" + (f", step {r['step_s']:.2f}s" if "step_s" in r else ""),
               flush=True)
-        report = write(out, results, meta)
-    report = write(out, results, meta)
-    logs = out / ("scaling_logs.tar.gz" if not args.only else f"scaling_logs_{args.only.replace(',', '_')}.tar.gz")
+        report = write(rec, results, meta)
+    report = write(rec, results, meta)
+    logs = work / "scaling_logs.tar.gz"
     with tarfile.open(logs, "w:gz") as tar:  # the full log of every run made now
         for r in results.values():
             if "log" in r and Path(r["log"]).is_file():

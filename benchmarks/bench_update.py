@@ -15,17 +15,15 @@
 
 Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded. Issue 29: the new update >= 2x today's.
 
-    python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b --out-dir benchmarks/results/h200
+    python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b 
     python benchmarks/bench_update.py --device cpu --model tiny --vocab 2000 --batch 2 --seq 128 --micro 2 \\
-        --micro-tokens 4096 --iters 1 --warmup 1 --out-dir /tmp/update_cpu                    # a CPU smoke run
+        --micro-tokens 4096 --iters 1 --warmup 1 --out /tmp/update_cpu.json                    # a CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -36,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator  # noqa: E402
 
+from benchmarks import record  # noqa: E402
 from mt_env.batch import TrainBatch  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
@@ -210,24 +209,20 @@ def main():
                     help="compile the new path's decoder layers (trainer.compile)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--out-dir", help="write update.json and update.txt here (benchmarks/results/<machine>)")
+    record.add_arguments(ap)
     args = ap.parse_args()
+    rec = record.start(args, "update", device=args.device)
     device = torch.device(args.device)
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=device.type == "cpu")
-    lines: list[str] = []
 
     def say(text: str) -> None:
-        print(text, flush=True)
-        lines.append(text)
+        print(text, flush=True)  # the record's .txt keeps what is printed
 
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     peak_tflops = next((v for k, v in PEAK_TFLOPS.items() if k in name), None) if device.type == "cuda" else None
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
-    figures: dict = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": commit, "device": name,
-                     "torch": torch.__version__, "peak_bf16_dense_tflops": peak_tflops}
-    say(f"command: {figures['command']}\ncommit: {commit}\ndevice: {name}, torch {torch.__version__}, peak "
+    figures: dict = {"torch": torch.__version__, "peak_bf16_dense_tflops": peak_tflops}
+    say(f"device: {name}, torch {torch.__version__}, peak "
         f"{'n/a (MFU null)' if peak_tflops is None else f'{peak_tflops:g} TFLOP/s dense bf16 (NVIDIA spec sheet)'}")
     lm = make_model(args, device)
     n_params = sum(p.numel() for p in lm.parameters())
@@ -238,12 +233,7 @@ def main():
     figures.update(padded_vs_packed(args, lm, device, accelerator, multi, say))
     peak = None if peak_tflops is None else peak_tflops * 1e12
     figures.update(today_vs_new(args, lm, device, accelerator, multi, peak, say))
-    if args.out_dir:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "update.json").write_text(json.dumps(figures, indent=2) + "\n")
-        (out / "update.txt").write_text("\n".join(lines) + "\n")
-        print(f"wrote {out / 'update.json'} and {out / 'update.txt'}")
+    print(f"wrote {rec.write(figures)}")
 
 
 if __name__ == "__main__":

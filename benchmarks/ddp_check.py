@@ -1,8 +1,8 @@
 """DDP correctness: one PPO/GRPO update on a fixed batch gives the same parameters and the same logged metrics on
 one process and on two.
 
-    python benchmarks/ddp_check.py --device cuda --out benchmarks/results/h200x2/ddp_check.json   # 2 GPUs, NCCL
-    python benchmarks/ddp_check.py --device cpu                                                   # 2 processes, gloo
+    python benchmarks/ddp_check.py --device cuda    # 2 GPUs, NCCL: writes benchmarks/results/h200x2/ddp_check.json
+    python benchmarks/ddp_check.py --device cpu     # 2 processes, gloo: benchmarks/results/cpu/ddp_check.json
 
 The script launches itself twice: as one plain process (the reference), then under torchrun with two processes
 (DDP prepared by accelerate). Each run builds the same seeded model in fp32, scores the same synthetic batch
@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import record  # noqa: E402
 from benchmarks.bench_scaling import repo_env  # noqa: E402
 
 TOLERANCE = 1e-4  #: fp32: relative difference of the parameter changes, and of every metric
@@ -109,7 +110,7 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=9, help="sequences in the batch (odd: the processes get 5 and 4)")
     ap.add_argument("--seq", type=int, default=None, help="longest sequence (default 96 on CPU, 512 on GPU)")
     ap.add_argument("--micro", type=int, default=2, help="micro-batch size")
-    ap.add_argument("--out", default=None, help="write the comparison as JSON here")
+    record.add_arguments(ap)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # set by the script when it launches itself
     args = ap.parse_args()
     args.model = args.model or ("tiny" if args.device == "cpu" else "qwen2.5-0.5b")
@@ -117,6 +118,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    rec = record.start(args, "ddp_check", device=args.device, gpus=2)
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--device", args.device, "--model", args.model, "--rows", str(args.rows), "--seq", str(args.seq),
                  "--micro", str(args.micro), "--worker", tmp]
@@ -132,8 +134,7 @@ def main() -> int:
                 print(proc.stdout[-3000:], proc.stderr[-5000:], sep="\n", file=sys.stderr)
                 raise SystemExit(f"ddp_check: {' '.join(cmd)} failed with status {proc.returncode}")
         report = compare(Path(tmp))
-    report.update(command=" ".join(sys.argv), model=args.model, device=args.device, rows=args.rows, seq=args.seq,
-                  runs=[" ".join(c[1:]) for c in commands])
+    report.update(model=args.model, rows=args.rows, seq=args.seq, runs=[" ".join(c[1:]) for c in commands])
     print(f"ddp_check ({args.model}, {args.device}, fp32, {args.rows} rows): largest parameter change "
           f"{report['max_abs_update']:.3e}, largest 1-vs-2-process difference {report['max_abs_param_diff']:.3e} "
           f"(relative {report['relative_diff']:.2e}, tolerance {TOLERANCE:g})")
@@ -141,9 +142,7 @@ def main() -> int:
         two = "missing" if m["2"] is None else f"{m['2']:.6g}"
         print(f"  {key:<24} 1 process {m['1']:>12.6g}   2 processes {two:>12}   {'ok' if m['match'] else 'DIFFERENT'}")
     print(f"update_matches_1gpu: {report['update_matches_1gpu']}")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+    rec.write(report)
     return 0 if report["update_matches_1gpu"] else 1
 
 

@@ -31,8 +31,8 @@ the bf16 equality goal measured where greedy decoding is decisive, not a string 
 
 Each check reports its own error (with traceback) and the others still run; the JSON is rewritten after each.
 
-    python benchmarks/gpu_engine_check.py --out gpu_engine_check.json            # H200: about 3 minutes
-    python benchmarks/gpu_engine_check.py --quick --out gpu_engine_check.json    # fewer buckets, bf16 only
+    python benchmarks/gpu_engine_check.py            # H200: about 3 minutes; writes results/h200/gpu_engine_check.json
+    python benchmarks/gpu_engine_check.py --quick    # fewer buckets, bf16 only
     python benchmarks/gpu_engine_check.py --model tiny --device cpu --prompts 8 --new-tokens 8 --train-steps 20 \\
         --out /tmp/c.json
     python benchmarks/gpu_engine_check.py --model tiny --device cpu --only trained --dtypes fp32 --prompts 8 \\
@@ -45,7 +45,6 @@ import argparse
 import asyncio
 import faulthandler
 import gc
-import json
 import math
 import random
 import sys
@@ -60,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from agents.hf_policy import HFPolicy  # noqa: E402
 from agents.policy import SamplingParams  # noqa: E402
+from benchmarks import record  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -270,19 +270,19 @@ TRAINED_CHECKS = [("decisiveness", check_decisiveness), ("equality", check_equal
                   ("noise_floor", check_noise_floor)]
 
 
-def run_trained(args, report: dict, out: Path) -> None:
+def run_trained(args, report: dict, out: record.Record) -> None:
     section = report["checks"]["trained"] = {}
     model = build(args.model, torch.float32, args.device).train()
     cycle = bigram_cycle(model.config.vocab_size, TASK_IDS)
     section["training"] = guarded("training", lambda: train_bigram_task(model, cycle, args))
-    out.write_text(json.dumps(report, indent=2))
+    out.write(report)
     prompts = bigram_prompts(cycle, args.prompts)
     for dtype_name in args.dtypes:  # bf16 first: fp32 then holds the bf16-rounded weights
         model = model.to(DTYPES[dtype_name])
         checks = section[dtype_name] = {}
         for name, fn in TRAINED_CHECKS:
             checks[name] = guarded(name, fn, model, prompts, args, dtype_name)
-            out.write_text(json.dumps(report, indent=2))
+            out.write(report)
 
 
 # --------------------------------------------------------------------------------------------- running
@@ -337,7 +337,7 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--train-batch", type=int, default=16, help="sequences per training step")
     ap.add_argument("--train-len", type=int, default=128, help="tokens per sequence (less than the task's ids)")
     ap.add_argument("--train-lr", type=float, default=3e-4)
-    ap.add_argument("--out", required=True)
+    record.add_arguments(ap)
     args = ap.parse_args()
     args.dtypes = args.dtypes or (["bf16"] if args.quick else ["bf16", "fp32"])
     args.train_seconds = args.train_seconds or (40.0 if args.quick else 60.0)
@@ -351,10 +351,8 @@ def main():
         torch.set_num_threads(1)  # a small shared CPU: see benchmarks/bench_rollout.py
     import transformers
 
-    out = Path(args.out)
-    report = dict(command=" ".join([sys.executable, *sys.argv]), torch=torch.__version__,
-                  transformers=transformers.__version__, model=args.model,
-                  device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", checks={})
+    out = record.start(args, "gpu_engine_check", device=args.device)
+    report = dict(torch=torch.__version__, transformers=transformers.__version__, model=args.model, checks={})
     for dtype_name in args.dtypes if not args.only or set(args.only) - {"trained"} else ():
         print(f"{args.model} {dtype_name}:", flush=True)
         model = build(args.model, DTYPES[dtype_name], args.device)
@@ -363,15 +361,14 @@ def main():
         for name, fn in CHECKS:
             if (not args.only or name in args.only) and not (name == "noise_floor" and dtype_name != "bf16"):
                 checks[name] = guarded(name, fn, model, prompts, args, dtype_name)
-                out.write_text(json.dumps(report, indent=2))  # a run cut short keeps what it measured
+                out.write(report)  # a run cut short keeps what it measured
         del model
         if args.device == "cuda":
             checks["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
     if not args.only or "trained" in args.only:
         print(f"{args.model} trained on a bigram task:", flush=True)
         run_trained(args, report, out)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}")
+    print(f"wrote {out.write(report)}")
 
 
 if __name__ == "__main__":
