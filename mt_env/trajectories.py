@@ -4,6 +4,7 @@ A run directory holds them under ``trajectories/``, one gzip-compressed JSON Lin
 
     trajectories/train_000001.jsonl.gz     # the episodes of training step 1 (a sample of them)
     trajectories/eval_000010.jsonl.gz      # episodes of the evaluation after step 10
+    trajectories/evaluate_000100.jsonl.gz  # trainers/evaluate.py's episodes, of the checkpoint of step 100
 
 Each file is written whole to a temporary name and renamed (`write_records`), so a run killed at any moment leaves
 every file either complete or absent — the directory only grows, one readable file per step. `load_trajectories`
@@ -11,9 +12,10 @@ reads them back.
 
 One line is one episode (`FORMAT` 1)::
 
-    step, kind ("train" | "eval"), episode (its index in the step's batch), group (the GRPO group: the task's index
-    in the step), index (the sample within the group), task_id, reward (the episode's return), success, state,
-    end_reason, error, stats (the env's counts: turns, tool_calls, tool_errors, parse_errors, rewards),
+    format, step, kind (one of `KINDS`), episode (its index in the step's batch), group (the GRPO group: the
+    task's index in the step), index (the sample within the group), task_id, prompt (the prompt's last user
+    message), reward (the episode's return), success, state, end_reason, error, stats (the env's counts: turns,
+    tool_calls, tool_errors, parse_errors, rewards),
     finish_reasons (per turn),
     turns: [{index, sample, start, end (its sampled tokens: samples[sample].tokens[start:end]), text,
              finish_reason, policy_version (the weights that sampled it: the updates they had),
@@ -43,7 +45,7 @@ import numpy as np
 
 FORMAT = 1
 DIRNAME = "trajectories"
-KINDS = ("train", "eval")
+KINDS = ("train", "eval", "evaluate")
 #: per-token arrays of a recorded sample: name -> numpy dtype (little-endian)
 TOKEN_DTYPES = {"ids": "<i4", "loss_mask": "u1", "rollout_logprobs": "<f4", "old_logprobs": "<f4",
                 "ref_logprobs": "<f4", "values": "<f4", "advantages": "<f4", "returns": "<f4", "rewards": "<f4"}

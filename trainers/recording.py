@@ -67,16 +67,17 @@ class Recorder:
         write_records(self.run_dir, "train", step, records)
         return {"perf/record_s": time.perf_counter() - start}
 
-    def record_eval(self, step: int, tasks: Sequence[dict], result: RolloutResult) -> None:
-        """Record up to `episodes` episodes of the evaluation after `step` (played with that step's weights)."""
+    def record_eval(self, step: int, tasks: Sequence[dict], result: RolloutResult, kind: str = "eval") -> Path | None:
+        """Record up to `episodes` episodes of the evaluation after `step` (played with that step's weights; `kind`
+        ``evaluate``: by trainers/evaluate.py). Returns the file written."""
         if not self.enabled:
-            return
+            return None
         records = []
         for k in chosen_episodes(result.episodes, self.episodes):
             episode = result.episodes[k]
             tokens = [sample_arrays(s) for s in episode.samples]
-            records.append(self._record("eval", step, k, episode, tasks, tokens, step, episode.total_reward))
-        write_records(self.run_dir, "eval", step, records)
+            records.append(self._record(kind, step, k, episode, tasks, tokens, step, episode.total_reward))
+        return write_records(self.run_dir, kind, step, records)
 
     def _record(self, kind: str, step: int, k: int, episode: EpisodeRecord, tasks: Sequence[dict],
                 tokens: list[dict[str, np.ndarray]], version: int, reward: float) -> dict:
@@ -87,7 +88,8 @@ class Recorder:
                                  f"{len(sample)}")
         return {
             "format": FORMAT, "step": step, "kind": kind, "episode": k, "group": episode.id.group,
-            "index": episode.id.index, "task_id": task_id(tasks[episode.id.group]), "reward": _number(reward),
+            "index": episode.id.index, "task_id": task_id(tasks[episode.id.group]), "prompt": _question(episode),
+            "reward": _number(reward),
             "success": bool(episode.success), "state": episode.state.value, "end_reason": episode.end_reason,
             "error": episode.error, "stats": {key: _number(v) for key, v in episode.stats.items()},
             "finish_reasons": list(episode.finish_reasons), "turns": turn_records(episode, version),
@@ -179,6 +181,13 @@ def task_id(task: dict) -> str:
             return str(where["sample_id"])
     prompt = json.dumps(task.get("prompt", task.get("messages")), sort_keys=True, default=str)
     return "task-" + hashlib.blake2b(prompt.encode(), digest_size=5).hexdigest()
+
+
+def _question(episode: EpisodeRecord) -> str | None:
+    """The content of the prompt's last user message: what the episode was asked."""
+    prompt = episode.messages[:episode.samples[0].n_messages] if episode.samples else episode.messages
+    users = [m.get("content") for m in prompt if m.get("role") == "user"]
+    return str(users[-1]) if users else None
 
 
 def _rows_by_episode(batch: TrainBatch) -> dict[int, list[int]]:
