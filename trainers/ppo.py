@@ -19,7 +19,8 @@ One training step (`main`, after `build` made the run):
 3. **rewards** — each turn's tool reward on its last sampled token, the final reward on the last one; optionally
    minus a KL penalty to the reference model.
 4. **advantages** — GRPO: the episode's return normalised within its group of ``n`` samples of one task; PPO: GAE
-   over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic.
+   over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic. A sample of the
+   step's episodes is recorded from this batch, token by token (`trainers.recording`, ``logging.record_every``).
 5. **update** — epochs of masked, clipped mini-batch updates (gradient accumulation over micro-batches).
 6. **log, sync, evaluate, checkpoint.**
 

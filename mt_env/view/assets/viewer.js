@@ -312,7 +312,13 @@
       tip.textContent = tipText(k < 0 ? current.record : current.records[k], +span.dataset.s, +span.dataset.j);
       tip.hidden = false;
     };
-    area.onmousemove = (ev) => { tip.style.left = ev.clientX + 14 + "px"; tip.style.top = ev.clientY + 14 + "px"; };
+    area.onmousemove = (ev) => {  // beside the pointer, on the side where it fits
+      const box = tip.getBoundingClientRect();
+      const x = ev.clientX + 14 + box.width > innerWidth ? ev.clientX - 14 - box.width : ev.clientX + 14;
+      const y = ev.clientY + 14 + box.height > innerHeight ? ev.clientY - 14 - box.height : ev.clientY + 14;
+      tip.style.left = Math.max(0, x) + "px";
+      tip.style.top = Math.max(0, y) + "px";
+    };
     area.onmouseleave = () => { tip.hidden = true; };
     for (const radio of document.querySelectorAll("input[name=mode]")) {
       radio.onchange = () => (document.getElementById("group") ? renderGroup() : renderEpisode());
