@@ -9,9 +9,11 @@
   const PAGE = 100;
   const ARRAYS = { "<i4": Int32Array, "u1": Uint8Array, "<f4": Float32Array };
   const $ = (id) => document.getElementById(id);
-  const esc = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" })[c]);
+  const ENTITIES = { "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" };
+  const esc = (s) => String(s ?? "").replace(/[&<>"]/g, (c) => ENTITIES[c]);
   const visible = (s) => s.replace(/\n/g, "\u21b5\n").replace(/\t/g, "\u2192");  // as mt_env/render.py shows them
-  const fmt = (x, d = 4) => (x === null || x === undefined ? "–" : Number.isInteger(x) ? String(x) : Number(x).toPrecision(d));
+  const fmt = (x, d = 4) =>
+    x === null || x === undefined ? "–" : Number.isInteger(x) ? String(x) : Number(x).toPrecision(d);
 
   // ------------------------------------------------------------------------------------------- step files
   const loaded = {}, waiting = {};
@@ -59,16 +61,17 @@
     let lo = Math.min(...vals), hi = Math.max(...vals);
     if (lo === hi) { lo -= 0.5; hi += 0.5; }
     const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-    const px = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - 6), py = (y) => 4 + (1 - (y - lo) / (hi - lo)) * (H - B - 8);
-    const pts = xs.map((x, i) => (ys[i] === null ? null : px(x).toFixed(1) + "," + py(ys[i]).toFixed(1))).filter(Boolean);
-    const marks = pts.length < 40 ? pts.map((p) => { const [a, b] = p.split(","); return `<circle cx="${a}" cy="${b}" r="2"/>`; }).join("") : "";
+    const px = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - 6);
+    const py = (y) => 4 + (1 - (y - lo) / (hi - lo)) * (H - B - 8);
+    const pts = xs.map((x, i) => (ys[i] === null ? null : [px(x).toFixed(1), py(ys[i]).toFixed(1)])).filter(Boolean);
+    const marks = pts.length < 40 ? pts.map(([a, b]) => `<circle cx="${a}" cy="${b}" r="2"/>`).join("") : "";
     const div = document.createElement("div");
     div.className = "curve";
     div.dataset.metric = name;
     div.innerHTML = `<div class="name">${esc(name)}</div><svg width="${W}" height="${H}">` +
       `<text x="2" y="10">${fmt(hi)}</text><text x="2" y="${H - B}">${fmt(lo)}</text>` +
       `<text x="${L}" y="${H - 2}">step ${x0}</text><text x="${W - 60}" y="${H - 2}">step ${x1}</text>` +
-      `<polyline points="${pts.join(" ")}"/>${marks}</svg>`;
+      `<polyline points="${pts.map((p) => p.join(",")).join(" ")}"/>${marks}</svg>`;
     $("curves").appendChild(div);
   }
   function initCurves() {
@@ -162,7 +165,8 @@
       if (run !== searchRun) return;  // a newer search started
     }
     $("search-progress").textContent = `searched ${files.length} step files`;
-    show(candidates.filter((i) => summaryText(i).includes(text) || (fullText[E.file[i] + "/" + E.pos[i]] || "").includes(text)));
+    const found = (i) => summaryText(i).includes(text) || (fullText[E.file[i] + "/" + E.pos[i]] || "").includes(text);
+    show(candidates.filter(found));
   }
   function recordText(r) {
     const parts = r.samples.map((s) => s.pieces.join(""));
@@ -172,7 +176,10 @@
   function show(out) {
     if (sort) {
       const { col, dir } = sort;
-      out.sort((a, b) => { const va = value(col, a), vb = value(col, b); return (va < vb ? -1 : va > vb ? 1 : 0) * dir || a - b; });
+      out.sort((a, b) => {
+        const va = value(col, a), vb = value(col, b);
+        return (va < vb ? -1 : va > vb ? 1 : 0) * dir || a - b;
+      });
     }
     rows = out;
     page = 0;
@@ -207,7 +214,9 @@
     let scale = FLOOR[m];
     for (const r of records) for (const s of r.samples) {
       const t = tokens(s);
-      for (let j = 0; j < t.ids.length; j++) if (t.loss_mask[j]) scale = Math.max(scale, Math.abs(heatValue(t, j, m) || 0));
+      for (let j = 0; j < t.ids.length; j++) {
+        if (t.loss_mask[j]) scale = Math.max(scale, Math.abs(heatValue(t, j, m) || 0));
+      }
     }
     return scale;
   }
@@ -231,7 +240,8 @@
             style = ` style="background:rgba(${v >= 0 === (m === "advantage") ? "44,160,44" : "214,39,40"},${a})"`;
           }
         }
-        out.push(`<span class="t ${cls}${extra}" data-s="${si}" data-j="${j}"${style}>${esc(visible(s.pieces[j]))}</span>`);
+        const text = esc(visible(s.pieces[j]));
+        out.push(`<span class="t ${cls}${extra}" data-s="${si}" data-j="${j}"${style}>${text}</span>`);
       }
       if (kind === X.sampled) {
         const tr = record.turns.find((x) => x.index === turn && x.sample === si);
@@ -243,8 +253,8 @@
   function toolHtml(turn) {
     const calls = turn.tool_calls.map((c) => `<span class="call">→ ${esc(c.name)}(${esc(c.arguments)})</span>`);
     const answers = turn.observation.map((o) => {
-      const meta = [o.name || o.role, o.duration_s !== null && o.duration_s !== undefined ? (o.duration_s * 1000).toFixed(1) + " ms" : "",
-        o.reward ? "reward " + fmt(o.reward) : ""].filter(Boolean).join(" · ");
+      const ms = o.duration_s !== null && o.duration_s !== undefined ? (o.duration_s * 1000).toFixed(1) + " ms" : "";
+      const meta = [o.name || o.role, ms, o.reward ? "reward " + fmt(o.reward) : ""].filter(Boolean).join(" · ");
       const err = o.error ? `<span class="err">${esc(o.error_kind || "error")}: ${esc(o.error)}</span>\n` : "";
       return `${err}← ${esc(o.content)} <span class="meta">(${esc(meta)})</span>`;
     });
@@ -253,7 +263,8 @@
   function renderEpisode() {
     const r = current.record, i = current.i, m = mode();
     const scale = m === "segments" ? 1 : heatScale([r], m);
-    $("episode-title").textContent = `${X.kinds[E.file[i]]} step ${r.step} · group ${r.group} · sample ${r.index} · task ${r.task_id}`;
+    $("episode-title").textContent =
+      `${X.kinds[E.file[i]]} step ${r.step} · group ${r.group} · sample ${r.index} · task ${r.task_id}`;
     const versions = [...new Set(r.turns.map((t) => t.policy_version))].join(", ");
     $("episode-facts").innerHTML = [
       `reward <b>${fmt(r.reward)}</b>`, `success <b>${r.success ? "yes" : "no"}</b>`, `state ${esc(r.state)}`,
@@ -261,8 +272,10 @@
       `finish ${esc(r.finish_reasons.join(", ") || "–")}`, `policy version ${esc(versions || "–")}`,
       `trained tokens ${E.trained[i]} of ${E.tokens[i]}`,
     ].join(" · ");
-    $("scale").textContent = m === "segments" ? "" : `colour scale: |value| ${fmt(scale, 3)} = full colour; grey: not trained or not recorded`;
-    $("legend").innerHTML = Object.entries(X.legend).map(([c, name]) => `<span class="t ${c}">${esc(name)}</span>`).join("");
+    $("scale").textContent = m === "segments" ? ""
+      : `colour scale: |value| ${fmt(scale, 3)} = full colour; grey: not trained or not recorded`;
+    $("legend").innerHTML =
+      Object.entries(X.legend).map(([c, name]) => `<span class="t ${c}">${esc(name)}</span>`).join("");
     $("episode").innerHTML = r.samples.map((s, si) =>
       (r.samples.length > 1 ? `<div class="samplehead">training sequence ${si + 1} of ${r.samples.length}</div>` : "") +
       `<div class="mtenv tokens" data-r="-1">${tokenHtml(r, si, m, scale, false)}</div>`).join("") ||
@@ -283,7 +296,10 @@
   }
   function advantageOf(record) {
     let sum = 0, n = 0;
-    for (const s of record.samples) { const t = tokens(s); for (let j = 0; j < t.ids.length; j++) if (t.loss_mask[j]) { sum += t.advantages[j]; n++; } }
+    for (const s of record.samples) {
+      const t = tokens(s);
+      for (let j = 0; j < t.ids.length; j++) if (t.loss_mask[j]) { sum += t.advantages[j]; n++; }
+    }
     return n ? sum / n : null;
   }
 
@@ -295,7 +311,10 @@
       `text ${JSON.stringify(s.pieces[j])}`, `trained (loss mask) ${t.loss_mask[j] ? "yes" : "no"}`];
     if (seg[0] === X.sampled) {
       lines.push(`rollout logprob ${fmt(t.rollout_logprobs[j], 6)}`);
-      if (t.old_logprobs) lines.push(`trainer logprob ${fmt(t.old_logprobs[j], 6)} · mismatch ${fmt(t.old_logprobs[j] - t.rollout_logprobs[j], 3)}`);
+      if (t.old_logprobs) {
+        const diff = t.old_logprobs[j] - t.rollout_logprobs[j];
+        lines.push(`trainer logprob ${fmt(t.old_logprobs[j], 6)} · mismatch ${fmt(diff, 3)}`);
+      }
       if (t.ref_logprobs) lines.push(`reference logprob ${fmt(t.ref_logprobs[j], 6)}`);
       if (t.advantages) lines.push(`advantage ${fmt(t.advantages[j], 5)}`);
       if (t.values) lines.push(`value ${fmt(t.values[j], 5)}`);
