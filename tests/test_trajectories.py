@@ -97,6 +97,20 @@ def test_evaluations_are_recorded_without_trainer_values(run):
         assert mismatch(r["samples"][0]) is None
 
 
+def test_evaluate_py_records_its_episodes_with_the_checkpoints_step(run, tmp_path):
+    """trainers/evaluate.py on the run's final checkpoint: every episode, token by token, kind ``evaluate``, labelled
+    with the checkpoint's step, next to its per-episode JSONL."""
+    from trainers.evaluate import main as evaluate_main
+
+    out, _ = run
+    summary = evaluate_main(["--config", "quickstart.yaml", "--checkpoint", str(out), "--episodes", "3",
+                             "--out", str(tmp_path / "episodes.jsonl"), "--set", TINY[0]])
+    assert [(kind, step) for kind, step, _ in recorded_steps(tmp_path)] == [("evaluate", 2)]
+    records = load_trajectories(tmp_path, kind="evaluate")
+    assert len(records) == summary["episodes"] == 3
+    assert [r["group"] for r in records] == [0, 1, 2] and all(r["samples"] for r in records)
+
+
 def test_tool_calls_and_results_are_recorded(qwen25, tmp_path):
     """A scripted expert's calculator calls: each turn's call with its arguments, and the tool's answer with its
     duration; a call to an unknown tool is answered with its error."""
