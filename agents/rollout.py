@@ -80,6 +80,9 @@ class EpisodeRecord:
     generated_tokens: int = 0
     stats: dict = field(default_factory=dict)  #: `ToolEnv.episode_stats()`; empty when the episode never started
     messages: list[dict] = field(default_factory=list)
+    #: per tool call answered, in order: the env's ``info["tool_results"]`` entries (name, call_id, error,
+    #: error_kind, duration_s, reward, metrics): what the messages do not say about a call
+    tool_results: list[dict] = field(default_factory=list)
     generation_s: float = 0.0  #: time this episode spent waiting for the policy
     tool_s: float = 0.0  #: time it spent in env steps (tools, parsing, conversation bookkeeping)
     finished_at: float = 0.0  #: seconds since the rollout started
@@ -345,6 +348,7 @@ class RolloutDriver(EpisodeDriver):
             record.enter(EpisodeState.TOOL_CALLING)
             with clock.during("tools", record):
                 _, _, terminated, truncated, info = await base.astep(generated)
+            record.tool_results += info.get("tool_results", ())
             if terminated or truncated:
                 return info, terminated
             record.enter(EpisodeState.RUNNING)

@@ -19,8 +19,9 @@ _ANSI = {
     Seg.SAMPLED: ("48;5;22", "48;5;28", "38;5;231"),
     Seg.OBSERVATION: ("48;5;94", "48;5;130", "38;5;231"),
 }
-_CSS_CLASS = {Seg.PROMPT: "prompt", Seg.GEN_PROMPT: "gen", Seg.SAMPLED: "sampled", Seg.OBSERVATION: "obs"}
-_LEGEND = {
+#: the CSS class of each segment kind, and its legend
+CSS_CLASS = {Seg.PROMPT: "prompt", Seg.GEN_PROMPT: "gen", Seg.SAMPLED: "sampled", Seg.OBSERVATION: "obs"}
+LEGEND = {
     Seg.PROMPT: "prompt", Seg.GEN_PROMPT: "generation prompt", Seg.SAMPLED: "sampled (trained)",
     Seg.OBSERVATION: "observation",
 }
@@ -60,7 +61,7 @@ def render_ansi(sample: Sample, tokenizer, legend: bool = True) -> str:
     pieces = token_pieces(sample.ids, tokenizer)
     out = []
     if legend:
-        out.append(" ".join(f"\x1b[{_ANSI[k][0]};{_ANSI[k][2]}m {name} \x1b[0m" for k, name in _LEGEND.items()) + "\n")
+        out.append(" ".join(f"\x1b[{_ANSI[k][0]};{_ANSI[k][2]}m {name} \x1b[0m" for k, name in LEGEND.items()) + "\n")
     for seg in sample.segments:
         on = sample.trainable and seg.kind == Seg.SAMPLED
         for j in range(seg.start, seg.end):
@@ -74,7 +75,8 @@ def render_ansi(sample: Sample, tokenizer, legend: bool = True) -> str:
     return "".join(out)
 
 
-_HTML_STYLE = """<style>
+#: the token colours of `render_html`, shared by the trajectory viewer (`mt_env.view`)
+HTML_CSS = """
 .mtenv{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.6}
 .mtenv span.t{border-radius:2px;padding:0 1px}
 .mtenv .prompt{background:#e8e8e8;color:#555}.mtenv .prompt.o{background:#d8d8d8}
@@ -82,19 +84,19 @@ _HTML_STYLE = """<style>
 .mtenv .sampled{background:#bff0c4;font-weight:600}.mtenv .sampled.o{background:#9fe3a6}
 .mtenv .obs{background:#ffe3b3}.mtenv .obs.o{background:#ffd28a}
 .mtenv .legend span{margin-right:1em;padding:0 4px}
-</style>"""
+"""
 
 
 def render_html(sample: Sample, tokenizer, title: str | None = None) -> str:
     """A standalone HTML fragment; hover a token for its id, segment, turn and logprob."""
     pieces = token_pieces(sample.ids, tokenizer)
-    parts = [_HTML_STYLE, '<div class="mtenv">']
+    parts = [f"<style>{HTML_CSS}</style>", '<div class="mtenv">']
     if title:
         parts.append(f"<h3>{html.escape(title)}</h3>")
     parts.append('<div class="legend">' + "".join(
-        f'<span class="t {_CSS_CLASS[k]}">{name}</span>' for k, name in _LEGEND.items()) + "</div>")
+        f'<span class="t {CSS_CLASS[k]}">{name}</span>' for k, name in LEGEND.items()) + "</div>")
     for seg in sample.segments:
-        cls = _CSS_CLASS[seg.kind]
+        cls = CSS_CLASS[seg.kind]
         for j in range(seg.start, seg.end):
             odd = " o" if (j - seg.start) % 2 else ""
             tip = f"id {sample.ids[j]} | {seg.kind.name.lower()} | turn {seg.turn}"

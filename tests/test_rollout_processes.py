@@ -69,6 +69,8 @@ TIMING_FIELDS = {"finished_at", "generation_s", "tool_s"}
 def comparable(result) -> tuple[list[dict], dict]:
     """The records (without their timings) and the metrics (without the timing ones) of a rollout."""
     records = [{k: v for k, v in r.to_dict().items() if k not in TIMING_FIELDS} for r in result.episodes]
+    for r in records:  # and each tool call's duration
+        r["tool_results"] = [{k: v for k, v in call.items() if k != "duration_s"} for call in r["tool_results"]]
     metrics = {k: v for k, v in result.metrics.items()
                if not (k.startswith("time/") or k in ("rollout/wall_s", "rollout/gen_tokens_per_s"))}
     return records, metrics

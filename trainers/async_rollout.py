@@ -103,7 +103,7 @@ class Played:
 class Evaluated:
     version: int
     checksum: int
-    metrics: dict
+    result: RolloutResult
 
 
 @dataclass
@@ -224,13 +224,13 @@ class RemoteRollouts:
             "async/weights_version": float(played.version), "async/generate_s": played.generate_s})
         return played.result
 
-    def evaluate(self, tasks: list[dict], step: int) -> dict:
+    def evaluate(self, tasks: list[dict], step: int) -> RolloutResult:
         """On the generator, with the weights of `step` (this process's)."""
         if self.in_flight is not None:
             self.ready = self._receive(Played)
         self._push_weights(step)
         self.link.send(Evaluate(tasks, step))
-        return self._receive(Evaluated).metrics
+        return self._receive(Evaluated).result
 
     def after_update(self) -> str:
         return "broadcast to the generator process before it plays the next step"

@@ -237,6 +237,10 @@ class LoggingConfig:
     wandb_project: str = option("mt_env", "the W&B project")
     plot: bool = option(True, "reward/success curve PNG at the end")
     progress: bool = option(True, "a progress bar during rollouts (shown on terminals only)")
+    record_every: int = option(1, "steps between recorded trajectories: a sample of the step's episodes, token by "
+                                  "token, in output_dir/trajectories (docs/viewer.md; 0: off)", ge=0)
+    record_episodes: int = option(16, "episodes recorded per recorded step and per evaluation (whole GRPO groups "
+                                      "first)", ge=1)
 
 
 @dataclass

@@ -28,6 +28,7 @@ from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
 from trainers import checkpoints
 from trainers.config import ConfigError, load_config
+from trainers.recording import Recorder
 from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer
 from trainers.stopping import entry_point
 
@@ -113,7 +114,10 @@ def main(argv=None) -> dict:
           f"{'greedy' if temperature == 0 else f'T={temperature}'}")
     for k, v in summary.items():
         print(f"  {k:<{width}}  {v:.3f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
-    print(f"per-episode records: {out}")
+    step = checkpoints.read_state(checkpoint).step if checkpoint is not None else 0  # the weights' updates
+    tokens = Recorder(out.parent, tokenizer, every=1, episodes=len(episodes)).record_eval(step, tasks, result,
+                                                                                         kind="evaluate")
+    print(f"per-episode records: {out}; token by token: {tokens} (python -m mt_env.view {out.parent})")
     driver.close()
     asyncio.run(backend.close())  # stop the generation worker before the interpreter exits
     return summary

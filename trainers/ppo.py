@@ -19,7 +19,8 @@ One training step (`main`, after `build` made the run):
 3. **rewards** — each turn's tool reward on its last sampled token, the final reward on the last one; optionally
    minus a KL penalty to the reference model.
 4. **advantages** — GRPO: the episode's return normalised within its group of ``n`` samples of one task; PPO: GAE
-   over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic.
+   over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic. A sample of the
+   step's episodes is recorded from this batch, token by token (`trainers.recording`, ``logging.record_every``).
 5. **update** — epochs of masked, clipped mini-batch updates (gradient accumulation over micro-batches).
 6. **log, sync, evaluate, checkpoint.**
 
@@ -59,7 +60,8 @@ from trainers.distributed import (FullStateDict, across_processes, forward_passe
                                   fsdp_sharding, initialize_root, peak_memory)
 from trainers.lora import AdaptersOff, has_adapters
 from trainers.modeling import PolicyModel
-from trainers.rollouts import LocalRollouts, make_rollouts
+from trainers.recording import Recorder
+from trainers.rollouts import LocalRollouts, eval_metrics, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
                             make_models, make_tokenizer)
 from trainers.sft import demonstration_samples, sft_warm_start
@@ -113,7 +115,7 @@ def main(argv=None) -> dict:
 
             # 3. REWARDS and 4. ADVANTAGES
             batch, advantage_stats = estimate_advantages(batch, cfg)
-            metrics.update(advantage_stats)
+            metrics.update(advantage_stats, **run.recorder.record_step(step, tasks, result, batch))  # trajectories/
             finite = all(bool(torch.isfinite(x[batch.loss_mask > 0]).all())
                          for x in (batch.old_logprobs, batch.advantages) if x is not None)
             if across_processes(acc, float(finite), "min") == 0:  # all skip together: the update's collectives
@@ -187,6 +189,7 @@ class Run:
     state: RunState  #: the step, the run's clock and its evaluations: saved in every checkpoint's manifest
     checkpointer: Checkpointer | None  #: None on the generator process of async mode (it saves nothing)
     start: float  #: `time.perf_counter()` when this session started (`trainer.time_limit_s`)
+    recorder: Recorder  #: writes a sample of the episodes trained on, token by token (`trainers.recording`)
     empty_steps: EmptySteps = field(default_factory=EmptySteps)  #: steps in a row that trained nothing
 
 
@@ -243,9 +246,11 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | Non
         weights_changed = bool(cfg.sft.steps) or resuming or not cfg.model.path
         rollouts = make_rollouts(cfg, accelerator, models.policy, lm, tokenizer, make_env, make_eval_env,
                                  weights_changed)
+    recorder = Recorder(cfg.output_dir, tokenizer, cfg.logging.record_every, cfg.logging.record_episodes,
+                        enabled=accelerator.is_main_process and trains, resume_step=state.step if resuming else None)
     return Run(cfg=cfg, accelerator=accelerator, tracker=tracker, tokenizer=tokenizer, models=models, lm=lm,
                rollouts=rollouts, tasks=tasks, held_out=held_out, state=state, checkpointer=checkpointer,
-               start=start)
+               start=start, recorder=recorder)
 
 
 def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator,
@@ -488,10 +493,12 @@ def logprob_mismatch(batch: TrainBatch) -> dict:
 # ================================================================================================== log, evaluate, save
 def evaluate(run: Run, step: int) -> dict:
     """Held-out episodes through the same rollout driver (each process plays its share): greedy, or sampled with
-    pass@k over `eval.samples`."""
+    pass@k over `eval.samples`; a sample of the episodes is recorded (`trainers.recording`)."""
     acc = run.accelerator
-    metrics = run.rollouts.evaluate(run.held_out[acc.process_index::acc.num_processes], step)
-    metrics = reduce_metrics(acc, metrics)
+    tasks = run.held_out[acc.process_index::acc.num_processes]
+    result = run.rollouts.evaluate(tasks, step)
+    run.recorder.record_eval(step, tasks, result)
+    metrics = reduce_metrics(acc, eval_metrics(result, run.cfg.eval.samples))
     run.tracker.log(step, metrics, console=False)
     run.tracker.message(f"eval  {step:>4} | success {metrics['val/success']:.3f} | reward {metrics['val/reward']:.3f} "
                         f"| tool calls {metrics['val/tool_call_rate']:.2f} | turns {metrics['val/turns']:.2f}")

@@ -5,8 +5,8 @@ engine on the trainer's own module — gathered from its FSDP shards while it ge
 `trainers.async_rollout.RemoteRollouts` has another process play them (one-step off-policy mode). Both offer:
 
 * ``play(tasks, n, step)`` — the step's episodes (`agents.rollout.RolloutResult`);
-* ``evaluate(tasks, step)`` — held-out metrics (``val/*``) of this process's share of the evaluation tasks, with the
-  weights of `step`;
+* ``evaluate(tasks, step)`` — the held-out episodes of this process's share of the evaluation tasks, played with the
+  weights of `step` (`eval_metrics` gives their ``val/*`` metrics);
 * ``after_update()`` — what brings the updated weights to the generator (a sentence for the log);
 * ``close()``.
 """
@@ -50,12 +50,11 @@ class LocalRollouts:
         result.metrics.update({f"engine/{key}": float(value) for key, value in engine.items()})
         return result
 
-    def evaluate(self, tasks: list[dict], step: int) -> dict:
-        """Greedy, or sampled with pass@k over `eval.samples` (`step` only labels: the weights are this process's)."""
+    def evaluate(self, tasks: list[dict], step: int) -> RolloutResult:
+        """Greedy, or sampled `eval.samples` times per task (`step` only labels: the weights are this process's)."""
         overrides = {"temperature": 0.0} if self.cfg.eval.greedy else {}
         with self.gathered():
-            result = self.eval_driver.run(tasks, n=self.cfg.eval.samples, step=0, **overrides)
-        return eval_metrics(result, self.cfg.eval.samples)
+            return self.eval_driver.run(tasks, n=self.cfg.eval.samples, step=0, **overrides)
 
     def after_update(self) -> str:
         """Push the updated weights to the generation backend (servers are shared: the main process syncs them

@@ -1,0 +1,148 @@
+"""Recorded trajectories: the episodes a run trained on (and evaluated), token by token, one file per step.
+
+A run directory holds them under ``trajectories/``, one gzip-compressed JSON Lines file per recorded step and kind::
+
+    trajectories/train_000001.jsonl.gz     # the episodes of training step 1 (a sample of them)
+    trajectories/eval_000010.jsonl.gz      # episodes of the evaluation after step 10
+    trajectories/evaluate_000100.jsonl.gz  # trainers/evaluate.py's episodes, of the checkpoint of step 100
+
+Each file is written whole to a temporary name and renamed (`write_records`), so a run killed at any moment leaves
+every file either complete or absent — the directory only grows, one readable file per step. `load_trajectories`
+reads them back.
+
+One line is one episode (`FORMAT` 1)::
+
+    format, step, kind (one of `KINDS`), episode (its index in the step's batch), group (the GRPO group: the
+    task's index in the step), index (the sample within the group), task_id, prompt (the prompt's last user
+    message), reward (the episode's return), success, state, end_reason, error, stats (the env's counts: turns,
+    tool_calls, tool_errors, parse_errors, rewards),
+    finish_reasons (per turn),
+    turns: [{index, sample, start, end (its sampled tokens: samples[sample].tokens[start:end]), text,
+             finish_reason, policy_version (the weights that sampled it: the updates they had),
+             tool_calls: [{id, name, arguments}],
+             observation: [{role, name, call_id, content, error, error_kind, duration_s, reward}]}],
+    samples: [{trainable, segments: [[kind, turn, start, end], ...] (`mt_env.sample.Seg` values),
+               pieces: [the text of each token], tokens: {name: base64 of a little-endian array}}]
+
+``tokens`` holds the per-token arrays of one training sequence, named and typed as in `TOKEN_DTYPES`: ``ids``,
+``loss_mask``, ``rollout_logprobs`` and ``rewards`` always; ``old_logprobs``, ``ref_logprobs``, ``values``,
+``advantages`` and ``returns`` when the trainer computed them (training steps). They are base64 typed arrays rather
+than JSON numbers: float32 values round-trip exactly (the rollout/trainer mismatch of a token is often below 1e-4)
+and a browser decodes them without parsing numbers (`mt_env.view`).
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+FORMAT = 1
+DIRNAME = "trajectories"
+KINDS = ("train", "eval", "evaluate")
+#: per-token arrays of a recorded sample: name -> numpy dtype (little-endian)
+TOKEN_DTYPES = {"ids": "<i4", "loss_mask": "u1", "rollout_logprobs": "<f4", "old_logprobs": "<f4",
+                "ref_logprobs": "<f4", "values": "<f4", "advantages": "<f4", "returns": "<f4", "rewards": "<f4"}
+_FILE = re.compile(r"^(?P<kind>[a-z]+)_(?P<step>\d+)\.jsonl\.gz$")
+
+
+def encode_tokens(arrays: dict[str, np.ndarray | list]) -> dict[str, str]:
+    """Per-token arrays (names of `TOKEN_DTYPES`) as base64 strings of their typed bytes."""
+    out = {}
+    for name, values in arrays.items():
+        if name not in TOKEN_DTYPES:
+            raise ValueError(f"unknown per-token array {name!r}; known: {', '.join(TOKEN_DTYPES)}")
+        out[name] = base64.b64encode(np.asarray(values, dtype=TOKEN_DTYPES[name]).tobytes()).decode("ascii")
+    return out
+
+
+def decode_tokens(encoded: dict[str, str]) -> dict[str, np.ndarray]:
+    """The inverse of `encode_tokens`."""
+    return {name: np.frombuffer(base64.b64decode(text), dtype=TOKEN_DTYPES[name]) for name, text in encoded.items()}
+
+
+def step_path(run_dir: str | Path, kind: str, step: int) -> Path:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return Path(run_dir) / DIRNAME / f"{kind}_{step:06d}.jsonl.gz"
+
+
+def write_records(run_dir: str | Path, kind: str, step: int, records: Iterable[dict]) -> Path:
+    """Write one step's episode records (JSON objects) atomically: to a temporary name, then renamed over the
+    step's file. Returns its path."""
+    path = step_path(run_dir, kind, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as f:
+            for record in records:
+                f.write(json.dumps(record, ensure_ascii=False, allow_nan=False, separators=(",", ":")) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def recorded_steps(run_dir: str | Path, kind: str | None = None) -> list[tuple[str, int, Path]]:
+    """The complete step files of a run, as (kind, step, path), by kind then step (temporary files left by a killed
+    run are not listed)."""
+    folder = Path(run_dir) / DIRNAME
+    found = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        m = _FILE.match(path.name)
+        if m and m["kind"] in KINDS and (kind is None or m["kind"] == kind):
+            found.append((m["kind"], int(m["step"]), path))
+    return sorted(found, key=lambda x: (KINDS.index(x[0]), x[1]))
+
+
+def read_lines(path: str | Path) -> list[str]:
+    """The JSON lines of one step file, as text."""
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line for line in f.read().splitlines() if line]
+
+
+def load_trajectories(run_dir: str | Path, step: int | None = None, kind: str = "train",
+                      decode: bool = True) -> list[dict]:
+    """The recorded episodes of `run_dir` (every recorded step, or only `step`), of one `kind`, in step order.
+    With `decode`, each sample's ``tokens`` are numpy arrays (`decode_tokens`); else the base64 strings stored."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if not Path(run_dir).is_dir():
+        raise FileNotFoundError(f"no run directory {run_dir}")
+    out = []
+    for _, s, path in recorded_steps(run_dir, kind):
+        if step is not None and s != step:
+            continue
+        for line in read_lines(path):
+            record = json.loads(line)
+            if decode:
+                for sample in record["samples"]:
+                    sample["tokens"] = decode_tokens(sample["tokens"])
+            out.append(record)
+    return out
+
+
+def mismatch(sample: dict) -> np.ndarray | None:
+    """A decoded sample's per-token rollout/trainer logprob mismatch (the trainer's old logprob minus the engine's,
+    on trained tokens; 0 elsewhere), or None when the trainer's old logprobs were not recorded."""
+    tokens = sample["tokens"]
+    if "old_logprobs" not in tokens:
+        return None
+    return (tokens["old_logprobs"] - tokens["rollout_logprobs"]) * tokens["loss_mask"]
+
+
+def remove_after(run_dir: str | Path, step: int) -> list[int]:
+    """Delete the step files (both kinds) after `step`: a run resumed from that step's checkpoint records them again.
+    Returns the steps removed."""
+    removed = []
+    for _, s, path in recorded_steps(run_dir):
+        if s > step:
+            path.unlink()
+            removed.append(s)
+    return removed
