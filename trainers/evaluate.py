@@ -29,7 +29,7 @@ from agents.rollout import RolloutDriver
 from trainers import checkpoints
 from trainers.config import ConfigError, load_config
 from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer
-from trainers.stopping import entry_point
+from trainers.stopping import debug_flag, entry_point
 
 
 def parse_args(argv=None):
@@ -48,6 +48,7 @@ def parse_args(argv=None):
                     "rollout.temperature)")
     ap.add_argument("--out", default=None, help="per-episode JSONL (default: <output_dir>/eval_episodes.jsonl)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    debug_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -84,7 +85,11 @@ def main(argv=None) -> dict:
     tokenizer = make_tokenizer(cfg)
     lm, _ = make_models(cfg, tokenizer, device)
     if checkpoint is not None:
-        checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
+        try:
+            checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
+        except RuntimeError as e:
+            raise ConfigError(f"--checkpoint: {e}: evaluate it with the recipe it was trained with (--config, "
+                              f"--set)") from None
     make_eval_env = env_factory(cfg, tokenizer, eval_env=True)
     tasks = eval_tasks(cfg, make_eval_env().unwrapped)
     backend = make_backend(cfg, lm, tokenizer, weights_changed=checkpoint is not None)

@@ -62,7 +62,7 @@ from trainers.rollouts import LocalRollouts, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
                             make_models, make_tokenizer)
 from trainers.sft import demonstration_samples, sft_warm_start
-from trainers.stopping import EmptySteps, StopRequested, entry_point, resume_command
+from trainers.stopping import EmptySteps, StopRequested, debug_flag, entry_point, resume_command
 from trainers.tracking import Tracker
 
 
@@ -70,6 +70,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="PPO / GRPO for multi-turn tool-using LLM agents (mt_env)")
     ap.add_argument("--config", default="quickstart.yaml", help="recipe YAML (a path or a name in trainers/configs)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. trainer.lr=1e-6")
+    debug_flag(ap)
     return ap.parse_args(argv)
 
 

@@ -6,8 +6,11 @@
   is then what a rerun continues from. Every process of a distributed run stops at the same step (`agreed`).
 * **Steps that train nothing** (every prompt over the budget, every episode failed) are skipped one by one, but
   `EmptySteps` stops the run with `NothingTrains`, naming the cause, after a few in a row.
-* `entry_point` runs a trainer CLI: a `ConfigError` is one line on stderr and exit status 2, `NothingTrains` one
-  line and 1, an interrupt before training began one line and 130 — no traceback for any of them.
+* `entry_point` runs a command (the trainer's, evaluation, export, data preparation, benchmarks): the project's own
+  errors are one line, ``error: <message>``, on stderr — a `ConfigError` (a setting, an argument, a run directory)
+  with exit status 2, an `MtEnvError` (missing data, a tokenizer, a tool) or `NothingTrains` with 1 — and an
+  interrupt before training began one line and 130. The traceback is shown only with ``--debug`` (`debug_flag`) or
+  ``MT_ENV_DEBUG=1``; errors of other kinds (bugs, a user's own code) always show theirs.
 """
 
 from __future__ import annotations
@@ -17,11 +20,15 @@ import shlex
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable
+
+from mt_env.errors import MtEnvError
 
 from .config import ConfigError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+DEBUG_VARIABLE = "MT_ENV_DEBUG"  #: set to 1: `entry_point` shows the traceback of the project's errors too
 
 
 class StopRequested:
@@ -110,16 +117,21 @@ def _cause(first: int, last: int, metrics: dict, episodes: list) -> str:
             f"env.budget.max_response_tokens")
 
 
-def entry_point(main: Callable[[list[str] | None], dict], argv: list[str] | None = None) -> int:
-    """Run a trainer command's `main`; returns its exit status (see the module docstring)."""
+def debug_flag(parser) -> None:
+    """Add ``--debug`` to a command's argparse `parser` (`entry_point` reads it)."""
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error, not just its one line (or set {DEBUG_VARIABLE}=1)")
+
+
+def entry_point(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> int:
+    """Run a command's `main`; returns its exit status (see the module docstring)."""
     try:
         summary = main(argv)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except NothingTrains as e:
+    except (ConfigError, MtEnvError, NothingTrains) as e:
+        if "--debug" in (sys.argv[1:] if argv is None else argv) or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+            traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         print("\ninterrupted: nothing saved since the newest complete checkpoint (if any), which is where "
               "the same command continues", file=sys.stderr)
