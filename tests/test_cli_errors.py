@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from trainers.evaluate import main as evaluate_main
 from trainers.ppo import main as ppo_main
@@ -67,3 +68,12 @@ def test_errors_of_other_kinds_keep_their_traceback():
 
     with pytest.raises(ZeroDivisionError):
         entry_point(bug, [])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is there: device=cuda is right")
+@pytest.mark.parametrize("main", [ppo_main, evaluate_main])
+def test_device_cuda_without_a_gpu_is_an_error_not_a_cpu_run(tmp_path, capsys, main):
+    argv = ["--config", "quickstart.yaml", "--set", "device=cuda", "--set", f"output_dir={tmp_path}"]
+    assert entry_point(main, argv) == 2
+    assert one_line(capsys.readouterr().err).startswith("error: device=cuda, but torch ")
+    assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -19,7 +19,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -28,7 +27,7 @@ from agents.policy import SamplingParams
 from agents.rollout import RolloutDriver
 from trainers import checkpoints
 from trainers.config import ConfigError, load_config
-from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer
+from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer, run_device
 from trainers.stopping import debug_flag, entry_point
 
 
@@ -81,9 +80,8 @@ def main(argv=None) -> dict:
         checkpoint = checkpoints.resolve(args.checkpoint) if args.checkpoint else None
     except FileNotFoundError as e:
         raise ConfigError(f"--checkpoint: {e}") from None
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     tokenizer = make_tokenizer(cfg)
-    lm, _ = make_models(cfg, tokenizer, device)
+    lm, _ = make_models(cfg, tokenizer, run_device(cfg))
     if checkpoint is not None:
         try:
             checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
