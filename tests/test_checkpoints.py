@@ -284,7 +284,8 @@ def test_ctrl_c_saves_at_the_step_boundary_and_the_same_command_resumes(tmp_path
     assert summary["steps"] == stopped_at + 1 and training_steps(out) == list(range(1, stopped_at + 2))
 
 
-def test_signals_set_a_flag_and_a_second_one_aborts():
+def test_signals_set_a_flag():
+    """(A second signal ends the process: tests/test_wrong_turns.py sends it to a child process.)"""
     from accelerate import Accelerator
 
     accelerator = Accelerator(cpu=True)
@@ -293,8 +294,6 @@ def test_signals_set_a_flag_and_a_second_one_aborts():
         assert not stop.agreed(accelerator)
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.agreed(accelerator) and stop.name == "SIGTERM"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
     assert signal.getsignal(signal.SIGINT) is before
     assert entry_point(lambda argv: {"stopped_by": "SIGTERM"}) == 143
     assert entry_point(lambda argv: {"stopped_by": "SIGINT"}) == 130

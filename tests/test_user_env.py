@@ -77,8 +77,8 @@ def test_an_env_from_a_module_outside_the_package_trains_and_evaluates(tmp_path,
                            text=True, timeout=300)
     assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
     assert "sft step" in train.stdout and "done: 1 steps" in train.stdout  # SFT on its demonstrations, then RL
-    evaluate = subprocess.run([sys.executable, "trainers/evaluate.py", "--config", "quickstart.yaml", "--checkpoint", str(out),
-                               "--episodes", "2",
+    evaluate = subprocess.run([sys.executable, "trainers/evaluate.py", "--config", "quickstart.yaml",
+                               "--checkpoint", str(out), "--episodes", "2",
                                *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert evaluate.returncode == 0, evaluate.stdout[-2000:] + evaluate.stderr[-2000:]
     assert f"{user_module}:Double-v0 · {out}" in evaluate.stdout

@@ -309,13 +309,24 @@ def _build(cls, data: dict, prefix: str = ""):
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:
+    """``--set dotted=value`` on the recipe's `tree`. A mapping value is merged into the mapping already there, key
+    by key (``model.config={hidden_size: 64}`` is ``model.config.hidden_size=64``): replacing it would drop the
+    recipe's other keys, e.g. a model's other sizes, which then fall back silently to library defaults."""
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {k} is not a section")
-    node[keys[-1]] = value
+    _merge(node, keys[-1], value)
+
+
+def _merge(node: dict, key: str, value: Any) -> None:
+    if isinstance(value, dict) and isinstance(node.get(key), dict):
+        for k, v in value.items():
+            _merge(node[key], k, v)
+    else:
+        node[key] = value
 
 
 def validate(cfg: Config, training: bool = True) -> Config:
@@ -416,7 +427,8 @@ def env_spec(env_id: str):
                               f"it on PYTHONPATH (e.g. PYTHONPATH=path/to/folder)") from None
     if name not in gym.registry:
         close = difflib.get_close_matches(name, list(gym.registry), n=1)
-        where = f"importing {module} did not register {name!r}" if module else f"{name!r} is not a registered Gymnasium id"
+        where = f"importing {module} did not register {name!r}" if module else \
+            f"{name!r} is not a registered Gymnasium id"
         raise ConfigError(f"env.id: {where}" + (f" (did you mean {close[0]}?)" if close else "")
                           + ("" if module else "; an env of your own: module:EnvId, e.g. my_envs:MyEnv-v0, "
                              "where importing my_envs registers MyEnv-v0"))

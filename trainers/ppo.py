@@ -60,7 +60,7 @@ from trainers.distributed import (FullStateDict, across_processes, forward_passe
 from trainers.modeling import PolicyModel
 from trainers.rollouts import LocalRollouts, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
-                            make_models, make_tokenizer)
+                            make_models, make_tokenizer, model_summary)
 from trainers.sft import demonstration_samples, sft_warm_start
 from trainers.stopping import EmptySteps, StopRequested, debug_flag, entry_point, resume_command
 from trainers.tracking import Tracker
@@ -119,6 +119,7 @@ def main(argv=None) -> dict:
             if across_processes(acc, float(finite), "min") == 0:  # all skip together: the update's collectives
                 run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages")
                 run.state.step = step
+                run.empty_steps.add_non_finite(step, "non-finite logprobs or advantages", t.lr)
                 continue
 
             # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the backend's weights
@@ -137,7 +138,9 @@ def main(argv=None) -> dict:
                 "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
                 "dist/processes": acc.num_processes, **peak_memory(acc.device),
             })
-            log_metrics(run, step, metrics)
+            metrics = log_metrics(run, step, metrics)
+            if metrics["actor/skipped_updates"] == metrics["actor/mini_batches"]:  # every optimizer step skipped
+                run.empty_steps.add_non_finite(step, "every optimizer step had a non-finite loss or gradient", t.lr)
             if step == 1:
                 run.tracker.message(f"weights: {sync}")
             last = step == t.total_steps or _out_of_time(cfg, run.start)
@@ -226,6 +229,7 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | Non
     held_out = eval_tasks(cfg, make_eval_env().unwrapped)
     models, reference = _trainable_models(cfg, tokenizer, accelerator, trains)
     lm = accelerator.unwrap_model(models.policy).lm
+    tracker.message(model_summary(cfg, lm))
     checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer) if trains else None
     if trains:
         accelerator.register_for_checkpointing(tasks)

@@ -204,6 +204,13 @@ def make_models(cfg: Config, tokenizer, device: torch.device, critic: bool = Tru
     return lm, value_model.to(device)
 
 
+def model_summary(cfg: Config, lm: torch.nn.Module) -> str:
+    """One line for the log: the architecture, its size and where its weights come from."""
+    count = sum(p.numel() for p in lm.parameters())
+    return (f"model: {lm.config.model_type}, {count / 1e6:.2f}M parameters, "
+            f"{'weights from ' + cfg.model.path if cfg.model.path else 'random init'}")
+
+
 def frozen_copy(lm: torch.nn.Module) -> torch.nn.Module:
     ref = copy.deepcopy(lm).eval()
     for p in ref.parameters():

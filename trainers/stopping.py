@@ -2,10 +2,16 @@
 
 * **Interrupts.** Inside `StopRequested`, the first SIGINT (Ctrl-C) or SIGTERM only raises a flag: the loop sees it
   at the next step boundary, where it saves a checkpoint, prints how to resume and exits with status 128 + the
-  signal's number (130, 143). A second signal aborts at once (`KeyboardInterrupt`): the newest complete checkpoint
-  is then what a rerun continues from. Every process of a distributed run stops at the same step (`agreed`).
-* **Steps that train nothing** (every prompt over the budget, every episode failed) are skipped one by one, but
-  `EmptySteps` stops the run with `NothingTrains`, naming the cause, after a few in a row.
+  signal's number (130, 143). A second signal ends the process at once, with a line saying so and the same status:
+  the newest complete checkpoint is then what a rerun continues from. Every process of a distributed run stops at
+  the same step (`agreed`).
+* **Leaving at once** (a second signal; an interrupt before training, outside `StopRequested`) is `os._exit`, not
+  an exception unwinding to the interpreter's exit: that exit stops daemon threads where they are, and one inside
+  torch (the embedded engine's worker, mid-forward) then aborts the process in C++ (``terminate called ...``,
+  status 134) instead of exiting.
+* **Steps that train nothing** — no trainable token (every prompt over the budget, every episode failed), or
+  non-finite values that skip the update (a learning rate too high) — are skipped one by one, but `EmptySteps`
+  stops the run with `NothingTrains`, naming the cause, after a few in a row.
 * `entry_point` runs a command (the trainer's, evaluation, export, data preparation, benchmarks): the project's own
   errors are one line, ``error: <message>``, on stderr — a `ConfigError` (a setting, an argument, a run directory)
   with exit status 2, an `MtEnvError` (missing data, a tokenizer, a tool) or `NothingTrains` with 1 — and an
@@ -51,8 +57,9 @@ class StopRequested:
 
     def _handle(self, signum: int, frame) -> None:
         if self.signum is not None:
-            self.__exit__()
-            raise KeyboardInterrupt
+            exit_now(128 + signum, f"\n{signal.Signals(signum).name} again: exiting now, without saving (the newest "
+                                   f"complete checkpoint is where the same command continues)\n"
+                     if self.announce else "")
         self.signum = signum
         if self.announce:  # os.write: a handler must not re-enter a print the main thread may be in
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step with a checkpoint "
@@ -70,6 +77,19 @@ class StopRequested:
         return signal.Signals(self.signum).name if self.signum else None
 
 
+def exit_now(status: int, message: str = "") -> None:
+    """End the process at once with `status`, after `message` on stderr (see the module docstring). Safe in a signal
+    handler: the message is one `os.write`, and a flush that would re-enter a print under way is skipped."""
+    if message:
+        os.write(2, message.encode())
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (RuntimeError, OSError, ValueError):
+            pass
+    os._exit(status)
+
+
 def resume_command(argv: list[str], resume: str | None) -> str:
     """The command that continues a run: the same arguments, with ``trainer.resume=auto`` unless already so."""
     args: list[str] = []
@@ -84,23 +104,32 @@ def resume_command(argv: list[str], resume: str | None) -> str:
 
 
 class NothingTrains(RuntimeError):
-    """Several steps in a row had no trainable token: the run would go on doing nothing."""
+    """Several steps in a row trained nothing: the run would go on doing nothing."""
 
 
 class EmptySteps:
-    """Counts consecutive steps that had no trainable token; the `limit`-th in a row raises `NothingTrains`."""
+    """Counts consecutive steps that trained nothing; the `limit`-th in a row raises `NothingTrains`."""
 
     def __init__(self, limit: int = 3):
         self.limit = limit
         self.first = self.last = None
 
     def add(self, step: int, metrics: dict, episodes: list) -> None:
-        """Record that `step` trained nothing; `metrics` are the step's (combined) rollout metrics."""
+        """Record that `step` had no trainable token; `metrics` are the step's (combined) rollout metrics."""
+        self._count(step, lambda first: _cause(first, step, metrics, episodes))
+
+    def add_non_finite(self, step: int, what: str, lr: float) -> None:
+        """Record that `step`'s update was skipped for non-finite values (`what`); `lr` is the learning rate."""
+        self._count(step, lambda first: (
+            f"steps {first}-{step} trained nothing: {what}, so their updates were skipped; the usual cause is a "
+            f"learning rate too high for the model (trainer.lr={lr:g}): lower trainer.lr"))
+
+    def _count(self, step: int, cause: Callable[[int], str]) -> None:
         if self.last != step - 1:
             self.first = step
         self.last = step
         if step - self.first + 1 >= self.limit:
-            raise NothingTrains(_cause(self.first, step, metrics, episodes))
+            raise NothingTrains(cause(self.first))
 
 
 def _cause(first: int, last: int, metrics: dict, episodes: list) -> str:
@@ -133,8 +162,7 @@ def entry_point(main: Callable[[list[str] | None], object], argv: list[str] | No
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
-        print("\ninterrupted: nothing saved since the newest complete checkpoint (if any), which is where "
-              "the same command continues", file=sys.stderr)
-        return 128 + signal.SIGINT
+        exit_now(128 + signal.SIGINT, "\ninterrupted: nothing saved since the newest complete checkpoint (if any), "
+                                      "which is where the same command continues\n")
     stopped = summary.get("stopped_by") if isinstance(summary, dict) else None
     return 128 + signal.Signals[stopped].value if stopped else 0
