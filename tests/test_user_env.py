@@ -82,6 +82,7 @@ def test_an_env_from_a_module_outside_the_package_trains_and_evaluates(tmp_path,
                                *sets], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert evaluate.returncode == 0, evaluate.stdout[-2000:] + evaluate.stderr[-2000:]
     assert f"{user_module}:Double-v0 · {out}" in evaluate.stdout
+    assert f"per-episode records: {out / 'eval' / 'checkpoint_1.jsonl'}" in evaluate.stdout  # the run's files kept
 
 
 def test_the_task_tokenizer_and_sft_follow_the_user_env(user_module):

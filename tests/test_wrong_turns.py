@@ -4,7 +4,9 @@ early one is a clean exit (status 130 and a line), never a C++ abort while torch
 
 from __future__ import annotations
 
+import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from trainers.config import load_config
-from trainers.stopping import EmptySteps, NothingTrains
+from trainers.stopping import EmptySteps, NothingTrains, resume_command
 
 from .conftest import ROOT, subprocess_env
 from .test_trainer import metrics, run
@@ -136,3 +138,37 @@ def test_leaving_at_once_while_torch_threads_run_is_a_clean_exit(tmp_path, when,
         proc.kill()
     assert proc.returncode == 130, stderr
     assert message in stderr and "Traceback" not in stderr and "terminate called" not in stderr
+
+
+# --------------------------------------------------------------------------------------------- commands as printed
+def test_the_resume_command_runs_with_the_venv_inactive(monkeypatch, tmp_path):
+    """The interpreter of the printed command is the one running (a venv's, which needs no activation), shown
+    relative to the working directory when inside it, as `make quickstart` leaves it: ``.venv/bin/python``."""
+    monkeypatch.chdir(ROOT)
+    python, script, *args = shlex.split(resume_command(["--set", "rollout.n=8"], "auto"))
+    assert os.path.samefile(python, sys.executable) and script == "trainers/ppo.py"
+    assert args == ["--set", "rollout.n=8"]
+    bare = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/")}  # no venv on PATH, no PYTHONPATH
+    assert subprocess.run([python, "-c", "import torch, accelerate"], cwd=ROOT, env=bare).returncode == 0
+
+    monkeypatch.setattr(sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    monkeypatch.chdir(tmp_path)
+    python, script, *_ = shlex.split(resume_command([], "auto"))
+    assert python == ".venv/bin/python" and script == str(ROOT / "trainers" / "ppo.py")
+
+
+def test_evaluation_records_never_replace_a_runs_files(tmp_path):
+    """trainers/evaluate.py's default --out: a new file in the evaluated run's eval/ folder, named for what was
+    evaluated; the next evaluation of the same gets the next free name."""
+    from trainers.evaluate import records_path
+
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint_100"
+    cfg = load_config("quickstart.yaml", [f"output_dir={tmp_path / 'recipe'}"])
+    for expected in ("checkpoint_100.jsonl", "checkpoint_100-2.jsonl", "checkpoint_100-3.jsonl"):
+        path = records_path(cfg, checkpoint)
+        assert path == tmp_path / "run" / "eval" / expected
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    assert records_path(cfg, None) == tmp_path / "recipe" / "eval" / "random_init.jsonl"
+    cfg.model.path = "Qwen/Qwen2.5-0.5B-Instruct"
+    assert records_path(cfg, None) == tmp_path / "recipe" / "eval" / "Qwen2.5-0.5B-Instruct.jsonl"

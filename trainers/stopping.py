@@ -28,6 +28,7 @@ import sys
 import threading
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 from mt_env.errors import MtEnvError
 
@@ -91,7 +92,8 @@ def exit_now(status: int, message: str = "") -> None:
 
 
 def resume_command(argv: list[str], resume: str | None) -> str:
-    """The command that continues a run: the same arguments, with ``trainer.resume=auto`` unless already so."""
+    """The command that continues a run: the same arguments, with ``trainer.resume=auto`` unless already so, run
+    by this interpreter (a venv's ``.venv/bin/python`` works without activating the venv)."""
     args: list[str] = []
     for a in argv:
         if a.startswith("trainer.resume=") and args[-1:] == ["--set"]:
@@ -100,7 +102,14 @@ def resume_command(argv: list[str], resume: str | None) -> str:
             args.append(a)
     if resume != "auto":
         args += ["--set", "trainer.resume=auto"]
-    return shlex.join(["python", "trainers/ppo.py", *args])
+    return shlex.join([shown_path(sys.executable), shown_path(Path(__file__).with_name("ppo.py")), *args])
+
+
+def shown_path(path: str | Path) -> str:
+    """`path` as a command line shows it: relative to the working directory when inside it, else absolute. Symbolic
+    links are kept (a venv's python is one: resolved, it would be the base interpreter, without the venv)."""
+    path = Path(os.path.abspath(path))
+    return str(path.relative_to(Path.cwd())) if path.is_relative_to(Path.cwd()) else str(path)
 
 
 class NothingTrains(RuntimeError):
