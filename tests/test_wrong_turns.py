@@ -67,8 +67,8 @@ trees = st.recursive(st.integers(0, 9), lambda inner: st.dictionaries(names, inn
 
 
 def leaves(tree, prefix=()) -> dict:
-    """{path: value} of the non-mapping values of `tree` (an empty mapping has none)."""
-    if not isinstance(tree, dict):
+    """{path: value} of the values of `tree` that are not a non-empty mapping."""
+    if not isinstance(tree, dict) or not tree:
         return {prefix: tree}
     return {path: v for k, sub in tree.items() for path, v in leaves(sub, (*prefix, k)).items()}
 
@@ -81,15 +81,15 @@ def paths(tree, prefix=()) -> list[tuple]:
 
 @given(recipe=st.dictionaries(names, trees, max_size=3), override=st.dictionaries(names, trees, max_size=3))
 def test_a_mapping_set_keeps_every_key_it_does_not_name(recipe, override):
-    """Merged key by key: every value of the override is set; a value of the recipe is kept unless the override
-    names its path, a path below it, or a value above it."""
+    """Merged key by key: every value of the override is set (an empty mapping empties); a value of the recipe is
+    kept unless the override names its path, a path below it, or a value above it."""
     flow = [yaml.safe_dump(tree, default_flow_style=True).strip() for tree in (recipe, override)]
     cfg = load_config(None, ["model.preset=qwen2.5-0.5b", *(f"env.kwargs={text}" for text in flow)])
     merged = leaves(cfg.env.kwargs)
     given_leaves = leaves(override)
     assert {p: merged[p] for p in given_leaves} == given_leaves
     for p, v in leaves(recipe).items():
-        if not any(q[:len(p)] == p for q in paths(override)) and not any(p[:len(q)] == q for q in given_leaves):
+        if p and not any(q[:len(p)] == p for q in paths(override)) and not any(p[:len(q)] == q for q in given_leaves):
             assert merged[p] == v
 
 

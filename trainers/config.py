@@ -311,7 +311,8 @@ def _build(cls, data: dict, prefix: str = ""):
 def _set(tree: dict, dotted: str, value: Any) -> None:
     """``--set dotted=value`` on the recipe's `tree`. A mapping value is merged into the mapping already there, key
     by key (``model.config={hidden_size: 64}`` is ``model.config.hidden_size=64``): replacing it would drop the
-    recipe's other keys, e.g. a model's other sizes, which then fall back silently to library defaults."""
+    recipe's other keys, e.g. a model's other sizes, which then fall back silently to library defaults. An empty
+    mapping empties it (``rollout.engine_kwargs={}``)."""
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
@@ -322,7 +323,7 @@ def _set(tree: dict, dotted: str, value: Any) -> None:
 
 
 def _merge(node: dict, key: str, value: Any) -> None:
-    if isinstance(value, dict) and isinstance(node.get(key), dict):
+    if value and isinstance(value, dict) and isinstance(node.get(key), dict):
         for k, v in value.items():
             _merge(node[key], k, v)
     else:
