@@ -139,8 +139,7 @@ def main(argv=None) -> dict:
                 "dist/processes": acc.num_processes, **peak_memory(acc.device),
             })
             metrics = log_metrics(run, step, metrics)
-            if metrics["actor/skipped_updates"] == metrics["actor/mini_batches"]:  # every optimizer step skipped
-                run.empty_steps.add_non_finite(step, "every optimizer step had a non-finite loss or gradient", t.lr)
+            run.empty_steps.updated(step, metrics, t.lr)  # an update whose optimizer steps were all skipped counts
             if step == 1:
                 run.tracker.message(f"weights: {sync}")
             last = step == t.total_steps or _out_of_time(cfg, run.start)

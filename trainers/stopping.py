@@ -1,4 +1,4 @@
-"""How a training run stops before its last step, and how the trainer's commands exit.
+"""How a training run stops before its last step, and how the project's commands exit.
 
 * **Interrupts.** Inside `StopRequested`, the first SIGINT (Ctrl-C) or SIGTERM only raises a flag: the loop sees it
   at the next step boundary, where it saves a checkpoint, prints how to resume and exits with status 128 + the
@@ -126,6 +126,11 @@ class EmptySteps:
     def add(self, step: int, metrics: dict, episodes: list) -> None:
         """Record that `step` had no trainable token; `metrics` are the step's (combined) rollout metrics."""
         self._count(step, lambda first: _cause(first, step, metrics, episodes))
+
+    def updated(self, step: int, metrics: dict, lr: float) -> None:
+        """Record `step`'s update (its combined metrics): one that skipped every optimizer step trained nothing."""
+        if metrics["actor/skipped_updates"] == metrics["actor/mini_batches"]:
+            self.add_non_finite(step, "every optimizer step had a non-finite loss or gradient", lr)
 
     def add_non_finite(self, step: int, what: str, lr: float) -> None:
         """Record that `step`'s update was skipped for non-finite values (`what`); `lr` is the learning rate."""
