@@ -20,7 +20,7 @@ import torch
 
 from trainers import checkpoints
 from trainers.checkpoints import Checkpointer, RunDirError, RunPlan, RunState, plan_run
-from trainers.config import load_config
+from trainers.config import ConfigError, load_config
 from trainers.stopping import EmptySteps, NothingTrains, StopRequested, entry_point, resume_command, shown_path
 
 from .conftest import subprocess_env
@@ -232,8 +232,8 @@ def test_evaluate_loads_a_checkpoint_that_matches_its_recipe(tmp_path):
             "--out", str(tmp_path / "episodes.jsonl")]
     tied = TINY[0].replace("}", ", tie_word_embeddings: true}")
     assert evaluate_main([*args, "--set", tied])["episodes"] == 2
-    with pytest.raises(RuntimeError, match=rf"^{where} does not match the recipe's model: missing "
-                                           rf"\['lm_head.weight'\]"):
+    with pytest.raises(ConfigError, match=rf"^--checkpoint: {where} does not match the recipe's model: missing "
+                                          rf"\['lm_head.weight'\].*: evaluate it with the recipe it was trained with"):
         evaluate_main([*args, "--set", TINY[0]])
 
 
