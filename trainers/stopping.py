@@ -80,14 +80,15 @@ class StopRequested:
 
 def exit_now(status: int, message: str = "") -> None:
     """End the process at once with `status`, after `message` on stderr (see the module docstring). Safe in a signal
-    handler: the message is one `os.write`, and a flush that would re-enter a print under way is skipped."""
-    if message:
-        os.write(2, message.encode())
+    handler: the message is one `os.write`, after the lines printed before it, and a flush that would re-enter a
+    print under way is skipped."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (RuntimeError, OSError, ValueError):
             pass
+    if message:
+        os.write(2, message.encode())
     os._exit(status)
 
 
@@ -171,7 +172,8 @@ def entry_point(main: Callable[[list[str] | None], object], argv: list[str] | No
     try:
         summary = main(argv)
     except (ConfigError, MtEnvError, NothingTrains) as e:
-        if "--debug" in (sys.argv[1:] if argv is None else argv) or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+        if debug or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             traceback.print_exc()
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, ConfigError) else 1
