@@ -5,14 +5,20 @@ Why: on the H200 the smoke recipe's rollout (256 GSM8K episodes) took 1.7-2.1 s,
 first request and after the last turn. With a `ScriptedPolicy` (random ids of the recipe's `max_new_tokens`, no
 model) the whole rollout is that work, measured here by itself on any machine.
 
-    python benchmarks/bench_rollout_host.py       # the GSM8K smoke recipe ($MT_ENV_GSM8K): cpu/rollout_host.json
+    python benchmarks/bench_rollout_host.py                       # the GSM8K smoke recipe: cpu/rollout_host.json
+    python benchmarks/bench_rollout_host.py --data path/to/gsm8k  # GSM8K from there
     python benchmarks/bench_rollout_host.py --profile 25          # and the costliest functions of one rollout
+
+GSM8K comes from ``--data`` (a directory with train.jsonl, or a jsonl/parquet file), else ``$MT_ENV_GSM8K``, else
+``../shared/data/gsm8k`` beside this checkout when it is there, else the Hugging Face hub (offline: an error saying
+what to pass).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
 import statistics
@@ -26,23 +32,41 @@ from agents.policy import SamplingParams  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
 from agents.scripted import ScriptedPolicy  # noqa: E402
 from benchmarks import record  # noqa: E402
+from envs.gsm8k_tool import DATA_ENV_VAR  # noqa: E402
+from mt_env.errors import MtEnvError  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import TaskSource, env_factory, make_tokenizer  # noqa: E402
+from trainers.stopping import debug_flag, entry_point  # noqa: E402
+
+#: GSM8K as the other projects of this workplace keep it (a checkout's sibling folder), used when it is there
+SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 
-def main():
+def gsm8k_data(data: str | None) -> str | None:
+    """Where GSM8K is read from (see the module docstring); None: the hub."""
+    return data or os.environ.get(DATA_ENV_VAR) or (str(SHARED_GSM8K) if SHARED_GSM8K.is_dir() else None)
+
+
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="gsm8k_smoke_random_0.5b.yaml")
+    ap.add_argument("--data", help="GSM8K: a directory with train.jsonl, or a jsonl/parquet file (see above)")
     ap.add_argument("--rollouts", type=int, default=5, help="timed rollouts (on new tasks each), after one warm-up")
     ap.add_argument("--profile", type=int, metavar="N",
                     help="profile one more rollout; print its N costliest functions")
     record.add_arguments(ap)
-    args = ap.parse_args()
+    debug_flag(ap)
+    args = ap.parse_args(argv)
     rec = record.start(args, "rollout_host")
     cfg = load_config(args.config, ["device=cpu"])
+    if cfg.env.id == "GSM8kTool-v0" and (args.data or not cfg.env.kwargs.get("data_path")):
+        cfg.env.kwargs["data_path"] = gsm8k_data(args.data)
     tokenizer = make_tokenizer(cfg)
     make_env = env_factory(cfg, tokenizer)
-    probe = make_env()
+    try:
+        probe = make_env()
+    except MtEnvError as e:
+        raise MtEnvError(f"{e}; here: --data path/to/gsm8k") from e
     tasks = TaskSource(probe.unwrapped, seed=cfg.seed)
     rng = random.Random(0)
     answer = [rng.randrange(1000, len(tokenizer) // 2) for _ in range(cfg.rollout.max_new_tokens)]  # no stop token
@@ -75,4 +99,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(entry_point(main))

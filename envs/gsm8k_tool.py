@@ -337,12 +337,17 @@ class GSM8kToolEnv(ToolEnv):
         return "Your final answer is not correct. Check your reasoning and try again; end with `#### <number>`."
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """``python -m envs.gsm8k_tool --prepare DIR --out rows.jsonl`` (its errors as the trainer's commands show them:
+    `trainers.stopping.entry_point`)."""
+    from trainers.stopping import debug_flag
+
     ap = argparse.ArgumentParser(description="Prepare GSM8K rows with per-sample tools_kwargs.")
     ap.add_argument("--prepare", required=True, help="directory with train.jsonl/test.jsonl, or one jsonl file")
     ap.add_argument("--split", default="train")
     ap.add_argument("--out", required=True, help="output .jsonl")
-    args = ap.parse_args()
+    debug_flag(ap)
+    args = ap.parse_args(argv)
     rows = read_rows(args.prepare, args.split)
     with open(args.out, "w", encoding="utf-8") as f:
         for row in rows:
@@ -351,4 +356,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from trainers.stopping import entry_point
+
+    sys.exit(entry_point(main))

@@ -169,11 +169,11 @@ def test_the_docs_reference_is_generated_from_the_declarations():
 
 
 @pytest.mark.parametrize("command, message", [
-    (["trainers/ppo.py", "--set", "rollout.temperature=-1"], "config error: rollout.temperature must be >= 0, got -1.0"),
+    (["trainers/ppo.py", "--set", "rollout.temperature=-1"], "error: rollout.temperature must be >= 0, got -1.0"),
     (["trainers/evaluate.py", "--config", "quickstart.yaml", "--episodes", "0"],
-     "config error: eval.episodes must be >= 1, got 0"),
+     "error: eval.episodes must be >= 1, got 0"),
     (["trainers/evaluate.py", "--config", "quickstart.yaml", "--samples", "4", "--temperature", "0"],
-     "config error: eval.samples > 1 (pass@k) needs sampling"),
+     "error: eval.samples > 1 (pass@k) needs sampling"),
 ])
 def test_a_bad_value_is_one_line_and_exit_status_2(command, message):
     proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, cwd=ROOT, timeout=300)

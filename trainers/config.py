@@ -131,7 +131,8 @@ class BudgetConfig:
 
 @dataclass
 class EnvConfig:
-    id: str = option("Calculator-v0", "a registered Gymnasium id (GSM8kTool-v0, Calculator-v0, ...)")
+    id: str = option("Calculator-v0", "a Gymnasium id of a ToolEnv: registered (GSM8kTool-v0, Calculator-v0, ...) "
+                                      "or module:EnvId (importing module registers EnvId: an env of your own)")
     kwargs: dict = option(factory=dict, doc="keyword arguments for gym.make (e.g. data_path, split)")
     eval_kwargs: dict = option(factory=dict, doc="overrides for the evaluation env (e.g. split: test)")
     budget: BudgetConfig = field(default_factory=BudgetConfig)
@@ -334,13 +335,25 @@ def _build(cls, data: dict, prefix: str = ""):
 
 
 def _set(tree: dict, dotted: str, value: Any) -> None:
+    """``--set dotted=value`` on the recipe's `tree`. A mapping value is merged into the mapping already there, key
+    by key (``model.config={hidden_size: 64}`` is ``model.config.hidden_size=64``): replacing it would drop the
+    recipe's other keys, e.g. a model's other sizes, which then fall back silently to library defaults. An empty
+    mapping empties it (``rollout.engine_kwargs={}``)."""
     keys = dotted.split(".")
     node = tree
     for k in keys[:-1]:
         node = node.setdefault(k, {})
         if not isinstance(node, dict):
             raise ConfigError(f"--set {dotted}: {k} is not a section")
-    node[keys[-1]] = value
+    _merge(node, keys[-1], value)
+
+
+def _merge(node: dict, key: str, value: Any) -> None:
+    if value and isinstance(value, dict) and isinstance(node.get(key), dict):
+        for k, v in value.items():
+            _merge(node[key], k, v)
+    else:
+        node[key] = value
 
 
 def validate(cfg: Config, training: bool = True) -> Config:
@@ -393,18 +406,15 @@ def _check_async(cfg: Config) -> None:
 
 
 def _check_env(cfg: Config, training: bool) -> None:
-    """env.id is registered, and has demonstrations if a task tokenizer or SFT needs them. ``tokenizer.name: task``
-    means the small BPE of env.id (a recipe keeps working when env.id changes); one of another env is refused."""
+    """env.id names an env (`env_spec`), and one with demonstrations if a task tokenizer or SFT needs them.
+    ``tokenizer.name: task`` means the small BPE of env.id (a recipe keeps working when env.id changes); one of
+    another env is refused."""
     import gymnasium as gym
     from gymnasium.envs.registration import load_env_creator
 
-    import mt_env  # noqa: F401  (registers the envs)
     from mt_env.env import ToolEnv
 
-    if cfg.env.id not in gym.registry:
-        close = difflib.get_close_matches(cfg.env.id, list(gym.registry), n=1)
-        raise ConfigError(f"env.id: {cfg.env.id!r} is not a registered Gymnasium id"
-                          + (f" (did you mean {close[0]}?)" if close else ""))
+    entry = env_spec(cfg.env.id).entry_point
     name = cfg.tokenizer.name
     if name == "task":
         cfg.tokenizer.name = name = f"task:{cfg.env.id}"
@@ -413,12 +423,47 @@ def _check_env(cfg: Config, training: bool) -> None:
                           f"use tokenizer.name=task (the env's own) or another tokenizer")
     needs = [what for what, used in (("tokenizer.name=task", name.startswith("task:")),
                                      ("sft.steps > 0", training and cfg.sft.steps > 0)) if used]
-    entry = gym.spec(cfg.env.id).entry_point
     env_class = load_env_creator(entry) if isinstance(entry, str) else entry
-    if needs and isinstance(env_class, type) and issubclass(env_class, ToolEnv) \
-            and env_class.demonstration is ToolEnv.demonstration:
-        raise ConfigError(f"{' and '.join(needs)} need the env's demonstrations, which {cfg.env.id} does not have: "
-                          f"set tokenizer.name (e.g. offline:qwen2.5) and sft.steps=0")
+    if not isinstance(env_class, type):  # a factory function: the class is the one of the env it makes
+        env = gym.make(cfg.env.id, **cfg.env.kwargs).unwrapped
+        env_class = type(env)
+        env.close()
+    if not issubclass(env_class, ToolEnv):
+        raise ConfigError(f"env.id: {cfg.env.id} makes a {env_class.__name__}, not an mt_env.env.ToolEnv: the "
+                          f"trainer plays conversations of ToolEnv subclasses (docs/envs.md#add-your-own-env)")
+    if needs and env_class.demonstration is ToolEnv.demonstration:
+        raise ConfigError(f"{' and '.join(needs)} need the env's demonstrations, which {cfg.env.id} does not have "
+                          f"(ToolEnv.demonstration): set tokenizer.name (e.g. offline:qwen2.5) and sft.steps=0, or "
+                          f"give {env_class.__name__} a demonstration method")
+
+
+def env_spec(env_id: str):
+    """The Gymnasium spec that `gym.make(env_id)` would use: a registered id, or Gymnasium's ``module:EnvId``, whose
+    module is imported first (it registers the env). Done here rather than by `gym.spec`, which does not import
+    the module, so that a bad id is a `ConfigError` at load time saying what to change."""
+    import importlib
+
+    import gymnasium as gym
+
+    import mt_env  # noqa: F401  (registers the envs)
+
+    module, _, name = env_id.rpartition(":")
+    if module:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name is None or module != e.name and not module.startswith(e.name + "."):
+                raise  # the module exists but imports something missing: its own traceback says what
+            raise ConfigError(f"env.id: {env_id!r}: no module named {module!r} to import: put the folder that holds "
+                              f"it on PYTHONPATH (e.g. PYTHONPATH=path/to/folder)") from None
+    if name not in gym.registry:
+        close = difflib.get_close_matches(name, list(gym.registry), n=1)
+        where = f"importing {module} did not register {name!r}" if module else \
+            f"{name!r} is not a registered Gymnasium id"
+        raise ConfigError(f"env.id: {where}" + (f" (did you mean {close[0]}?)" if close else "")
+                          + ("" if module else "; an env of your own: module:EnvId, e.g. my_envs:MyEnv-v0, "
+                             "where importing my_envs registers MyEnv-v0"))
+    return gym.spec(name)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None, training: bool = True) -> Config:

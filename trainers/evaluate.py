@@ -9,6 +9,11 @@ Episodes run through the same rollout driver as training, decoded as the recipe'
 ``samples``, ``seed``); the flags below override it (``--samples k --temperature 1`` gives pass@k). With
 ``--checkpoint`` (a checkpoint directory, or a run directory for its newest complete checkpoint), the model is
 rebuilt from the recipe and the checkpoint's weights are loaded.
+
+The per-episode records go to a new file named for what was evaluated, in the ``eval/`` folder of the checkpoint's
+run (or of the recipe's ``output_dir``): ``runs/quickstart/eval/checkpoint_100.jsonl``, then ``checkpoint_100-2.jsonl``
+on the next evaluation, and so on — a run's own files and earlier evaluations are never replaced. ``--out PATH``
+writes exactly there.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -29,8 +33,8 @@ from agents.rollout import RolloutDriver
 from trainers import checkpoints
 from trainers.config import ConfigError, load_config
 from trainers.recording import Recorder
-from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer
-from trainers.stopping import entry_point
+from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer, run_device
+from trainers.stopping import debug_flag, entry_point
 
 
 def parse_args(argv=None):
@@ -47,8 +51,10 @@ def parse_args(argv=None):
     ap.add_argument("--temperature", type=float, default=None,
                     help="0: greedy; above 0: sampled at this temperature (default: the recipe's eval.greedy and "
                     "rollout.temperature)")
-    ap.add_argument("--out", default=None, help="per-episode JSONL (default: <output_dir>/eval_episodes.jsonl)")
+    ap.add_argument("--out", default=None, help="per-episode JSONL, replaced if it exists (default: a new file in "
+                    "the run's eval/ folder, see above)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe overrides")
+    debug_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -81,11 +87,14 @@ def main(argv=None) -> dict:
         checkpoint = checkpoints.resolve(args.checkpoint) if args.checkpoint else None
     except FileNotFoundError as e:
         raise ConfigError(f"--checkpoint: {e}") from None
-    device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     tokenizer = make_tokenizer(cfg)
-    lm, _ = make_models(cfg, tokenizer, device)
+    lm, _ = make_models(cfg, tokenizer, run_device(cfg))
     if checkpoint is not None:
-        checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
+        try:
+            checkpoints.load_policy_weights(lm, checkpoint, "the recipe's model")
+        except RuntimeError as e:
+            raise ConfigError(f"--checkpoint: {e}: evaluate it with the recipe it was trained with (--config, "
+                              f"--set)") from None
     make_eval_env = env_factory(cfg, tokenizer, eval_env=True)
     tasks = eval_tasks(cfg, make_eval_env().unwrapped)
     backend = make_backend(cfg, lm, tokenizer, weights_changed=checkpoint is not None)
@@ -104,7 +113,7 @@ def main(argv=None) -> dict:
         "response_tokens": result.metrics["rollout/response_len_mean"],
         "wall_s": result.metrics["rollout/wall_s"],
     }
-    out = Path(args.out or Path(cfg.output_dir) / "eval_episodes.jsonl")
+    out = Path(args.out) if args.out else records_path(cfg, checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", encoding="utf-8") as f:
         for e in episodes:
@@ -121,6 +130,19 @@ def main(argv=None) -> dict:
     driver.close()
     asyncio.run(backend.close())  # stop the generation worker before the interpreter exits
     return summary
+
+
+def records_path(cfg, checkpoint: Path | None) -> Path:
+    """A file that does not exist yet, named for what is evaluated, in the eval/ folder of the checkpoint's run
+    (else of the recipe's output_dir); see the module docstring."""
+    if checkpoint is not None:
+        folder, label = checkpoint.parent.parent / "eval", checkpoint.name
+    else:
+        folder, label = Path(cfg.output_dir) / "eval", Path(cfg.model.path).name if cfg.model.path else "random_init"
+    path, k = folder / f"{label}.jsonl", 2
+    while path.exists():
+        path, k = folder / f"{label}-{k}.jsonl", k + 1
+    return path
 
 
 if __name__ == "__main__":

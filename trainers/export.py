@@ -30,7 +30,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainers import checkpoints
+from trainers.config import ConfigError
 from trainers.lora import is_adapter, save_hf
+from trainers.stopping import debug_flag, entry_point
 
 
 def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:
@@ -103,8 +105,12 @@ def main(argv=None) -> Path:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("checkpoint", help="a checkpoint directory, or a run directory (its newest complete checkpoint)")
     ap.add_argument("out", help="the folder to write (config.json, model.safetensors, tokenizer files)")
+    debug_flag(ap)
     args = ap.parse_args(argv)
-    out, warning = export(args.checkpoint, args.out)
+    try:
+        out, warning = export(args.checkpoint, args.out)
+    except (FileNotFoundError, RuntimeError) as e:  # no checkpoint there, or not one its config describes
+        raise ConfigError(str(e)) from e
     print(f"exported {checkpoints.resolve(args.checkpoint)} -> {out}: transformers.AutoModelForCausalLM"
           f".from_pretrained({str(out)!r}) loads it")
     if warning:
@@ -113,7 +119,4 @@ def main(argv=None) -> Path:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (FileNotFoundError, RuntimeError) as e:
-        sys.exit(f"export: {e}")
+    sys.exit(entry_point(main))

@@ -63,9 +63,9 @@ from trainers.modeling import PolicyModel
 from trainers.recording import Recorder
 from trainers.rollouts import LocalRollouts, eval_metrics, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
-                            make_models, make_tokenizer)
+                            make_models, make_tokenizer, model_summary)
 from trainers.sft import demonstration_samples, sft_warm_start
-from trainers.stopping import EmptySteps, StopRequested, entry_point, resume_command
+from trainers.stopping import EmptySteps, StopRequested, debug_flag, entry_point, resume_command
 from trainers.tracking import Tracker
 
 
@@ -73,6 +73,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="PPO / GRPO for multi-turn tool-using LLM agents (mt_env)")
     ap.add_argument("--config", default="quickstart.yaml", help="recipe YAML (a path or a name in trainers/configs)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. trainer.lr=1e-6")
+    debug_flag(ap)
     return ap.parse_args(argv)
 
 
@@ -121,6 +122,7 @@ def main(argv=None) -> dict:
             if across_processes(acc, float(finite), "min") == 0:  # all skip together: the update's collectives
                 run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages")
                 run.state.step = step
+                run.empty_steps.add_non_finite(step, "non-finite logprobs or advantages", t.lr)
                 continue
 
             # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the backend's weights
@@ -139,7 +141,8 @@ def main(argv=None) -> dict:
                 "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
                 "dist/processes": acc.num_processes, **peak_memory(acc.device),
             })
-            log_metrics(run, step, metrics)
+            metrics = log_metrics(run, step, metrics)
+            run.empty_steps.updated(step, metrics, t.lr)  # an update whose optimizer steps were all skipped counts
             if step == 1:
                 run.tracker.message(f"weights: {sync}")
             last = step == t.total_steps or _out_of_time(cfg, run.start)
@@ -229,6 +232,7 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | Non
     held_out = eval_tasks(cfg, make_eval_env().unwrapped)
     models, reference = _trainable_models(cfg, tokenizer, accelerator, trains)
     lm = accelerator.unwrap_model(models.policy).lm
+    tracker.message(model_summary(cfg, lm))
     checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer) if trains else None
     if trains:
         accelerator.register_for_checkpointing(tasks)

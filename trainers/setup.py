@@ -38,8 +38,7 @@ def make_accelerator(cfg: Config) -> Accelerator:
     """One process, or DDP/FSDP2 under ``accelerate launch`` (checkpoints are named and kept by
     `trainers.checkpoints.Checkpointer`, not by accelerate). Checks that the global batch sizes split between the
     processes, and what FSDP can shard."""
-    cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    accelerator = Accelerator(cpu=cpu, kwargs_handlers=[ddp_kwargs()])
+    accelerator = Accelerator(cpu=run_device(cfg).type == "cpu", kwargs_handlers=[ddp_kwargs()])
     world = accelerator.num_processes
     for name, value in (("rollout.prompts_per_step", cfg.rollout.prompts_per_step),
                         ("trainer.minibatch_size", cfg.trainer.minibatch_size)):
@@ -48,6 +47,15 @@ def make_accelerator(cfg: Config) -> Accelerator:
     if accelerator.distributed_type == DistributedType.FSDP:
         _check_fsdp(cfg, accelerator)
     return accelerator
+
+
+def run_device(cfg: Config) -> torch.device:
+    """The device `cfg.device` names: ``auto`` is CUDA when torch sees a GPU, else the CPU; ``cuda`` without a GPU
+    is a `ConfigError`, never a run on the CPU instead."""
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device=cuda, but torch {torch.__version__} sees no CUDA GPU"
+                          f"{'' if torch.version.cuda else ' (a CPU-only build)'}: use device=auto or device=cpu")
+    return torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def _check_fsdp(cfg: Config, accelerator: Accelerator) -> None:
@@ -199,6 +207,13 @@ def make_models(cfg: Config, tokenizer, device: torch.device, critic: bool = Tru
     else:
         value_model = CriticModel.from_policy(lm)
     return lm, value_model.to(device)
+
+
+def model_summary(cfg: Config, lm: torch.nn.Module) -> str:
+    """One line for the log: the architecture, its size and where its weights come from."""
+    count = sum(p.numel() for p in lm.parameters())
+    return (f"model: {lm.config.model_type}, {count / 1e6:.2f}M parameters, "
+            f"{'weights from ' + cfg.model.path if cfg.model.path else 'random init'}")
 
 
 def frozen_copy(lm: torch.nn.Module) -> torch.nn.Module:
