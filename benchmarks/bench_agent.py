@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -100,30 +101,60 @@ async def play(policy: HFPolicy, wl: Workload, vocab: int, seed: int) -> tuple[f
     return time.perf_counter() - start, generated
 
 
-def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int) -> dict:
-    """One setting of one workload: warm-up at the same shapes, then the measured run."""
+def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int, profile: int = 0) -> dict:
+    """One setting of one workload: warm-up at the same shapes, then the measured run (its worker thread profiled,
+    the `profile` costliest functions printed, when asked)."""
     async def run():
         async with HFPolicy(model, max_batch_size=max_batch, seed=0, vocab_limit=vocab, fast_path=True,
                             prefix_cache=prefix_cache) as policy:
             await play(policy, wl, vocab, seed=1)  # warm: compilations, graphs, the allocator's pools
             policy._engine.flush()  # (through the worker's queue would be the same: nothing runs now)
             _reset_peak()
-            with counted(policy) as stats:
+            with counted(policy) as stats, _worker_profiled(profile):
                 wall, generated = await play(policy, wl, vocab, seed=2)
             return wall, generated, stats, policy.fast_path_reason
 
     wall, generated, stats, reason = asyncio.run(run())
     steps = max(1, stats["decode_passes"])
+    kept = ("prefill_passes", "decode_passes", "preemptions", "evictions", "graph_captures", "graph_replays",
+            "stand_in_replays", "uncaptured_steps", "prefill_graph_captures", "prefill_graph_replays", "compilations",
+            "compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
     return dict(tok_s=generated / wall, wall_s=wall, generated=generated, prefilled_tokens=stats["prefilled_tokens"],
                 cached_tokens=stats["cached_tokens"], decode_ms_per_step=(stats["launch_s"] + stats["step_wait_s"])
-                / steps * 1e3, decode_steps=stats["decode_passes"], prefill_s=stats["prefill_s"],
-                rows_per_step=stats["decoded_rows"] / steps, preemptions=stats["preemptions"],
-                peak_gib=_peak_gib(), engine=reason)
+                / steps * 1e3, rows_per_step=stats["decoded_rows"] / steps, peak_gib=_peak_gib(), engine=reason,
+                **{k: stats[k] for k in kept})
+
+
+@contextlib.contextmanager
+def _worker_profiled(top: int):
+    """Profile HFPolicy's worker thread inside the block (cProfile follows one thread: the worker's steps are
+    wrapped) and print its `top` costliest functions; nothing when `top` is 0."""
+    if not top:
+        yield
+        return
+    import cProfile
+    import pstats
+
+    profiler, serve = cProfile.Profile(), HFPolicy._serve_once
+
+    def profiled(self):
+        profiler.enable()
+        try:
+            return serve(self)
+        finally:
+            profiler.disable()
+
+    HFPolicy._serve_once = profiled
+    try:
+        yield
+    finally:
+        HFPolicy._serve_once = serve
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
 def run_synthetic(name: str, model, vocab: int, args) -> dict:
     wl = WORKLOADS[name].scaled(args.scale)
-    on = measure(model, wl, vocab, True, max_batch=wl.prompts * wl.samples)
+    on = measure(model, wl, vocab, True, max_batch=wl.prompts * wl.samples, profile=args.profile)
     off = measure(model, wl, vocab, False, max_batch=wl.prompts * wl.samples)
     row = dict(workload=name, shape=dataclasses.asdict(wl), new_tokens=wl.new_tokens,
                tok_s_on=on["tok_s"], tok_s_off=off["tok_s"], speedup=on["tok_s"] / off["tok_s"],
@@ -235,6 +266,8 @@ def main() -> None:
     ap.add_argument("--env-processes", type=int, default=4, help="the gsm8k workload's env processes")
     ap.add_argument("--kv-gib", type=float, default=100.0, help="serve7b: the KV pool's size")
     ap.add_argument("--serve-seqs", type=int, default=512, help="serve7b: sequences at once")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile the engine's worker thread in A and B with the cache on; print its N costliest calls")
     record.add_arguments(ap)
     args = ap.parse_args()
     rec = record.start(args, "agent", device=args.device)
