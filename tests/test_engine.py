@@ -835,7 +835,8 @@ def test_prefill_attention_never_allows_cudnn_and_decode_attention_is_torchs_cho
     cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
     engine_steps(model, compile=False)
     assert {enabled for is_prefill, enabled in seen if is_prefill} == {False}
-    assert {enabled for is_prefill, enabled in seen if not is_prefill} == {cudnn_before}
+    # (on CUDA the decode step's attention is the Triton kernel: no SDPA call)
+    assert {enabled for is_prefill, enabled in seen if not is_prefill} <= {cudnn_before}
     assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before  # restored after each call
 
 

@@ -113,9 +113,10 @@ class BlockPool:
                 self.index[key], self.key[block] = block, key
 
     def take(self, block: int) -> None:
-        """Hold a cached partial block (from `match_partial`) to write on: it leaves the index."""
-        self._unregister(block)
-        self._free.remove(block)
+        """Hold a cached partial block (from `match_partial`) to write on: it leaves the index and the LRU."""
+        del self._cached[block]
+        del self.index[self.key[block]]
+        self.key[block] = None
         self.incarnation[block] += 1
         self.refs[block] = 1
 
