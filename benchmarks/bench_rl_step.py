@@ -180,8 +180,8 @@ def main():
         e = figures["engine"]
         print(f"rollout's engine: busy {e['busy_s']:.2f} s (gathering {e['gather_s']:.2f}, {e['prefill_passes']:.0f} "
               f"prefill passes {e['prefill_s']:.2f}, {e['decode_passes']:.0f} decode steps: launching "
-              f"{e['launch_s']:.2f}, waiting for them {e['step_wait_s']:.2f}), {e['admission_waits']:.0f} admission "
-              f"waits; idle {figures['rollout_s'] - e['busy_s']:.2f} s of the rollout's {figures['rollout_s']:.2f}")
+              f"{e['launch_s']:.2f}, waiting for them {e['step_wait_s']:.2f}), {e['prefilled_tokens']:.0f} tokens "
+              f"prefilled, {e['cached_tokens']:.0f} cached; idle {figures['rollout_s'] - e['busy_s']:.2f} s of the rollout's {figures['rollout_s']:.2f}")
     mfu = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in figures["mfu"].items()}
     rates = ", ".join(f"{phase} {figures[f'{phase}_tok_s']:,.0f} tok/s (MFU {mfu[phase]})"
                       for phase in ("old_logprob", "ref", "update") if figures[f"{phase}_tok_s"])
