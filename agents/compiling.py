@@ -40,18 +40,25 @@ COMPILE_COUNTS: dict[str, float] = {"compilations": 0, "compile_s": 0.0}
 #: would silently send later variants to eager
 RECOMPILE_LIMIT = 64
 INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+#: one line per long phase of a first step (compilations, CUDA graph captures): the trainer prints them
+progress = logging.getLogger("agents.progress")
+_CALLING = threading.local()  # the name of the function a `Compiled` is calling on this thread
 
 
 def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
-    """Inductor, counting its successful compilations (dynamo's restarted attempts raise and are not counted)."""
+    """Inductor, counting its successful compilations (dynamo's restarted attempts raise and are not counted) and
+    announcing each (`progress`)."""
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor import config
 
+    name = getattr(_CALLING, "name", "a function")
+    progress.info("compiling %s with Inductor", name)
     start = time.perf_counter()
     options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
     compiled = compile_fx(graph, example_inputs, config_patches=options)
     COMPILE_COUNTS["compilations"] += 1
     COMPILE_COUNTS["compile_s"] += time.perf_counter() - start
+    progress.info("compiled %s in %.1f s", name, time.perf_counter() - start)
     return compiled
 
 
@@ -93,6 +100,7 @@ class Compiled:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failure is None:
+            _CALLING.name = self.eager.__name__
             try:
                 with _recompile_room(), _QUIET.quiet():
                     return self._compiled(*args, **kwargs)

@@ -842,10 +842,13 @@ def test_prefill_attention_never_allows_cudnn_and_decode_attention_is_torchs_cho
 
 @CPU_INDUCTOR
 def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
-        fresh_compilations):
+        fresh_compilations, caplog):
     model = build("qwen3", num_hidden_layers=4)
     eager, _ = engine_steps(model, compile=False)
-    compiled, runner = engine_steps(model, compile=True)
+    with caplog.at_level("INFO", logger="agents.progress"):
+        compiled, runner = engine_steps(model, compile=True)
+    announced = {r.getMessage() for r in caplog.records if r.name == "agents.progress"}
+    assert {f"compiling {fn.__name__} with Inductor" for fn in COMPILED_FUNCTIONS} <= announced  # a line per phase
     for (ids, logprobs), (ref_ids, ref_logprobs) in zip(compiled, eager, strict=True):
         assert ids == ref_ids and logprobs == pytest.approx(ref_logprobs, abs=1e-5)
     # one per function: not one per layer (4), batch bucket (2), length bucket (3) or prefill shape

@@ -7,8 +7,10 @@ run again) are dropped, and ``time_s`` is the run's clock (`RunState.elapsed`), 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,19 @@ CONSOLE = {
     "actor/grad_norm": "grad", "rollout/turns_mean": "turns", "rollout/tool_call_rate": "tool_rate",
     "rollout/response_len_mean": "resp_len", "perf/step_s": "step_s",
 }
+
+
+def show_progress() -> None:
+    """Print the engine's progress lines (``agents.progress``: each compilation and CUDA graph capture of a long
+    first step) with their time, once per process."""
+    logger = logging.getLogger("agents.progress")
+    if any(getattr(h, "_mt_env", False) for h in logger.handlers):
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("  [engine %(asctime)s] %(message)s", datefmt="%H:%M:%S"))
+    handler._mt_env = True
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 class Tracker:
@@ -39,6 +54,7 @@ class Tracker:
         self.clock = clock or (lambda: time.perf_counter() - start)
         if not enabled:
             return
+        show_progress()
         self.dir.mkdir(parents=True, exist_ok=True)
         (self.dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
         if jsonl:

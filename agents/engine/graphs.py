@@ -20,6 +20,8 @@ import torch
 
 from mt_env.collector import collector_paused
 
+from ..compiling import progress
+
 CAPTURE_ON_USE = 3
 CAPTURE_WITH_STAND_IN = 64
 WARMUP_STEPS = 2  # eager passes on the side stream before a capture (cuBLAS handles and workspaces get created)
@@ -81,7 +83,7 @@ class CudaGraphs:
                 self.stats["uncaptured_steps"] += 1
                 run()
                 return
-            recorded = self._capture(lambda: self.on_side_stream(warm_up), run)
+            recorded = self._capture(lambda: self.on_side_stream(warm_up), run, f"decode {key}")
             if recorded is None:
                 run()
                 return
@@ -100,7 +102,8 @@ class CudaGraphs:
             if uses < CAPTURE_ON_USE:
                 return run(*inputs)
             own = tuple(t.clone() for t in inputs)
-            recorded = self._capture(lambda: self.on_side_stream(lambda: run(*own)), lambda: run(*own))
+            recorded = self._capture(lambda: self.on_side_stream(lambda: run(*own)), lambda: run(*own),
+                                     f"prefill {key}")
             if recorded is None:
                 return run(*inputs)
             graph = self.prefill[key] = PrefillGraph(recorded[0], own, recorded[1])
@@ -124,10 +127,11 @@ class CudaGraphs:
         finally:  # also after an error: later work on the current stream must not overtake the warm-up
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
-    def _capture(self, warm_up: Callable[[], Any], run: Callable[[], Any]) -> tuple[Any, Any] | None:
+    def _capture(self, warm_up: Callable[[], Any], run: Callable[[], Any], what: str) -> tuple[Any, Any] | None:
         """With nothing in flight: `warm_up` (its error is the pass's own: it propagates), then capture `run`; None
         when the capture fails (nothing is captured from then on). The garbage collector is paused during the
         capture: a collection could free pinned host memory, whose release records a CUDA event."""
+        progress.info("capturing a CUDA graph: %s", what)
         torch.cuda.current_stream(self.device).synchronize()
         warm_up()
         graph = torch.cuda.CUDAGraph()

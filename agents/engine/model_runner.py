@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..compiling import COMPILE_COUNTS, compiled
+from ..compiling import COMPILE_COUNTS, compiled, progress
 from ..policy import GenerationError
 from .attention import flat_positions, prefill_inputs
 from .blocks import NULL_BLOCK
@@ -179,6 +179,7 @@ class ModelRunner:
         self.allocate()
         if bool(self._state.live.any()):
             raise RuntimeError("warm_buckets runs before any row holds a slot")
+        progress.info("warming the decode step up at %d batch sizes", len(batch_buckets(self.slots)))
         for rows in batch_buckets(self.slots):
             self._run_decode(rows, min(knobs.LENGTH_STEP, self.max_context_len), "greedy")
 
