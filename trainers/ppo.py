@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import functools
 import math
+import os
 import signal
 import sys
 import time
@@ -42,8 +43,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+# OpenMP reads its wait policy once, when torch loads it. PASSIVE: a CPU thread that waits for the others sleeps
+# instead of spinning, so another busy process (or this one's engine and env threads) slows the steps in proportion
+# instead of many times over (docs/trainer_config.md, "CPU threads"). A value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
