@@ -89,10 +89,7 @@ def main(argv=None) -> dict:
     try:
         run = build(cfg, accelerator, plan, link)
     except SFTStopped as e:  # Ctrl-C during SFT: saved at an SFT step boundary
-        accelerator.print(f"{e}. To continue, run the same command: "
-                          f"{resume_command(sys.argv[1:] if argv is None else argv, cfg.trainer.resume)}")
-        accelerator.end_training()
-        return plan.state.summary() | {"sft_steps": plan.state.sft_steps, "stopped_by": signal.Signals(e.signum).name}
+        return stopped_in_sft(e, cfg, accelerator, plan.state, sys.argv[1:] if argv is None else argv)
     if link is not None and not link.trains:  # trainer.async_rollout: this process generates for the trainer
         return serve(run.rollouts, link, run.lm)
     acc, t = run.accelerator, cfg.trainer
@@ -552,6 +549,13 @@ def finish(run: Run, config_name: str, stopped_by: str | None = None, argv: list
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()  # every process leaves the process group together
     return summary
+
+
+def stopped_in_sft(stop: SFTStopped, cfg: Config, accelerator: Accelerator, state: RunState, argv: list[str]) -> dict:
+    """Say what SFT saved when a signal stopped it and how to continue (`argv`: this command's); the summary."""
+    accelerator.print(f"{stop}. To continue, run the same command: {resume_command(argv, cfg.trainer.resume)}")
+    accelerator.end_training()
+    return state.summary() | {"sft_steps": state.sft_steps, "stopped_by": signal.Signals(stop.signum).name}
 
 
 #: metrics that count things: summed over processes (everything else is averaged)
