@@ -10,9 +10,10 @@ event loop; the three ways a tool can escape it each have their answer here:
   lifecycle calls one at a time. A call that outlives its timeout kills the process; the call is a timeout error
   like any other, the episode goes on, and the next call of that episode gets a fresh process in which the
   instance is created again with the same ``create_kwargs`` (its state is lost) — before that call's timeout
-  starts, which covers the call's own work only. Worker processes are forked from
-  a forkserver (never from the trainer process, whose threads make ``fork`` unsafe) and reused across episodes.
-  This isolates hangs and crashes; it is not a security sandbox.
+  starts, which covers the call's own work only. Worker processes are forked by a launcher process (never by the
+  trainer process, whose threads make ``fork`` unsafe) that never runs the user's main script, so a script needs
+  no ``__main__`` guard and may define its tool classes itself; workers are reused across episodes. This isolates
+  hangs and crashes; it is not a security sandbox.
 * **A tool hung in a worker thread** (``await asyncio.to_thread(...)`` that never returns) times out for the model,
   but the thread lives on, and `asyncio.run` (and the interpreter at exit) would wait for it, while a few such
   threads exhaust a thread pool. The toolbox makes a `DaemonThreadPool` the default executor of every loop its
@@ -28,10 +29,14 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import multiprocessing
+import multiprocessing.connection
+import os
 import pickle
 import queue
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -207,50 +212,174 @@ def watch_step(tool: str, method: str) -> _Watchdog:
 
 
 # ------------------------------------------------------------------------------------------------ processes
+# Why not multiprocessing's forkserver or spawn: both make every worker import the main script again (so that objects
+# defined there can be unpickled), and a script without an ``if __name__ == "__main__":`` guard — the usual first
+# try — then runs its own work again inside the worker, which dies. Workers are instead forked by a `_Launcher`, a
+# process started with `subprocess` whose main is this module: nothing re-runs the user's script, guarded or not,
+# and forks stay cheap (the launcher has imported the toolbox once, and is single-threaded, so forking it is safe).
+# The tool's class travels by cloudpickle: by reference when it is importable from a module (the worker imports it
+# with this process's sys.path), by value when it is defined in the script or a notebook.
 def check_isolatable(tool_class: type, config: Mapping[str, Any], tool_schema: Mapping[str, Any], name: str) -> None:
-    """Raise `ToolConfigError` unless a worker process can rebuild the tool: its class must be importable by its
-    module path, its config and schema picklable."""
+    """Raise `ToolConfigError` unless a worker process can rebuild the tool: its class, config and schema must be
+    picklable by cloudpickle (a class defined in a function or in the main script is, by value)."""
     try:
-        pickle.dumps((tool_class, dict(config), dict(tool_schema)))
+        _spec(tool_class, config, tool_schema)
     except Exception as e:
-        raise ToolConfigError(
-            f"tool {name!r}: isolation: process needs a tool class importable from its module (not a local class) "
-            f"and a picklable config: {type(e).__name__}: {e}") from None
+        raise ToolConfigError(f"tool {name!r}: isolation: process sends the tool's class, config and schema to a "
+                              f"worker process, and they cannot be pickled: {type(e).__name__}: {e}") from None
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["__main__", __name__, "mt_env.tools"])
-    return ctx
+def _spec(tool_class: type, config: Mapping[str, Any], tool_schema: Mapping[str, Any]) -> bytes:
+    """What a worker needs to build its copy of the tool: this process's import path, the class, config, schema."""
+    import cloudpickle  # a dependency of gymnasium's, and of mt_env's process rollouts
+
+    payload = cloudpickle.dumps((tool_class, dict(config), dict(tool_schema)))
+    return pickle.dumps((list(sys.path), f"{tool_class.__module__}.{tool_class.__qualname__}", payload))
+
+
+class _Launcher:
+    """The process that forks this process's worker processes (see the comment above `check_isolatable`); one per
+    process, started on first use and again if it died. Each start sends it one end of a new socket pair, and it
+    answers with the pid of the worker it forked to serve that end. It exits when this process closes its end
+    (at exit, too), and its workers die with it (``PR_SET_PDEATHSIG``, on Linux)."""
+
+    _current: _Launcher | None = None
+    _lock = threading.Lock()
+
+    def __init__(self):
+        self.owner = os.getpid()  # a forked child of this process needs a launcher of its own
+        self._control, theirs = socket.socketpair()
+        code = (f"import sys; sys.path[:] = {list(sys.path)!r}; from mt_env.isolation import _launcher_main; "
+                f"_launcher_main({theirs.fileno()})")
+        self.process = subprocess.Popen([sys.executable, "-c", code], pass_fds=[theirs.fileno()],
+                                        stdin=subprocess.DEVNULL)
+        theirs.close()
+
+    @classmethod
+    def fork_worker(cls) -> tuple[int, multiprocessing.connection.Connection]:
+        """A new worker process: its pid and this side of its connection. Blocking: call it in a thread."""
+        mine, theirs = socket.socketpair()
+        with cls._lock:
+            for attempt in (1, 2):
+                launcher = cls._current
+                if launcher is None or launcher.owner != os.getpid() or launcher.process.poll() is not None:
+                    launcher = cls._current = _Launcher()
+                try:
+                    socket.send_fds(launcher._control, [b"w"], [theirs.fileno()])
+                    pid = int.from_bytes(_recv_exactly(launcher._control, 8), "little")
+                    break
+                except OSError:  # the launcher died (killed from outside): start another, once
+                    launcher.process.kill()
+                    cls._current = None
+                    if attempt == 2:
+                        raise
+        theirs.close()
+        return pid, multiprocessing.connection.Connection(mine.detach())
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionResetError("the worker launcher closed its socket")
+        data += chunk
+    return data
+
+
+def _launcher_main(fd: int) -> None:
+    """The launcher process: fork a worker for every socket received on `fd`, until that socket closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the main process; it stops us by closing `fd`
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the workers
+    import cloudpickle  # noqa: F401  (imported once here, not in every worker)
+
+    from . import tools  # noqa: F401
+    control = socket.socket(fileno=fd)
+    launcher = os.getpid()
+    while True:
+        try:
+            _, fds, _, _ = socket.recv_fds(control, 1, 1)
+        except OSError:
+            return
+        if not fds:
+            return  # the main process closed its end, or exited
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # a tool may wait for processes of its own
+            _die_with(launcher)
+            os._exit(_worker_main(multiprocessing.connection.Connection(fds[0])))
+        os.close(fds[0])
+        control.sendall(pid.to_bytes(8, "little"))
+
+
+def _die_with(parent: int) -> None:
+    """Have the kernel kill this process when its parent exits (Linux; elsewhere a worker outlives a launcher
+    that was killed until its pipe closes)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it exited before the request was made
+        os._exit(1)
+
+
+def _worker_main(conn: multiprocessing.connection.Connection) -> int:
+    """A worker process: load the tool from the spec that comes first (`_spec`), then serve its calls (`_serve`)."""
+    try:
+        path, name, payload = pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return 1
+    sys.path[:] = path  # before the class's module is imported
+    try:
+        tool_class, config, tool_schema = pickle.loads(payload)
+    except BaseException as e:  # the module of a class sent by reference does not import here, say
+        conn.send((False, ToolError(
+            f"its worker process could not load the class {name}: {type(e).__name__}: {e}. A class defined in a "
+            f"module is imported by name in the worker (with the main process's sys.path): the module must import "
+            f"there on its own, without what the main process did to make it importable")))
+        return 1
+    _serve(conn, tool_class, config, tool_schema)
+    return 0
 
 
 class WorkerProcess:
     """A process hosting a copy of one tool object, serving its lifecycle calls one at a time over a pipe."""
 
     def __init__(self, tool: Any):
-        ctx = _context()
         self.tool_name = tool.name
-        self._conn, self._child_conn = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(self._child_conn, type(tool), tool.config, tool.tool_schema),
-                                   name=f"mt_env-tool-{tool.name}", daemon=True)
+        self._spec = _spec(type(tool), tool.config, tool.tool_schema)
+        self.pid: int | None = None
+        self._conn: multiprocessing.connection.Connection | None = None
         self.dead = False
+        self.built = False  #: the process has built its copy of the tool
 
     @property
     def alive(self) -> bool:
-        return not self.dead and self.process.is_alive()
+        """Started and not known to be gone: a worker only writes in answer to a call, so an idle one whose pipe
+        reads (end of file) has died."""
+        if self.dead or self._conn is None:
+            return False
+        try:
+            return not self._conn.poll()
+        except OSError:
+            return False
 
     async def start(self) -> None:
-        """Start the process (in a thread: the first start also starts the forkserver) and wait until it has built
+        """Start the process (in a thread: the first start also starts the launcher) and wait until it has built
         its tool."""
-        started = asyncio.get_running_loop().run_in_executor(None, self.process.start)
+        started = asyncio.get_running_loop().run_in_executor(None, _Launcher.fork_worker)
         limit = None
         try:
-            await asyncio.shield(started)
-            self._child_conn.close()
+            self.pid, self._conn = await asyncio.shield(started)
+            self._conn.send_bytes(self._spec)
             async with asyncio.timeout(WORKER_START_TIMEOUT_S) as limit:
                 await self._reply()
+            self.built = True
         except asyncio.CancelledError:
-            started.add_done_callback(lambda _: self.kill())  # at once, or when a start under way is done
+            started.add_done_callback(lambda _: self._adopt_and_kill(started))  # at once, or when a start is done
             raise
         except TimeoutError:
             self.kill()
@@ -258,6 +387,11 @@ class WorkerProcess:
                 raise ToolError(f"the worker process of tool {self.tool_name!r} did not start within "
                                 f"{WORKER_START_TIMEOUT_S}s") from None
             raise
+
+    def _adopt_and_kill(self, started: asyncio.Future) -> None:
+        if self.pid is None and not started.cancelled() and started.exception() is None:
+            self.pid, self._conn = started.result()
+        self.kill()
 
     async def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         """``tool.<method>(*args, **kwargs)`` in the process. Cancelling the call kills the process: the call
@@ -273,14 +407,20 @@ class WorkerProcess:
             raise
 
     def kill(self) -> None:
+        if not self.dead and self.pid is not None:
+            # a worker that exited was reaped by the launcher at once; its pid is not reused that soon (pids are
+            # handed out in order, up to pid_max, before they wrap)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
         self.dead = True
-        if self.process.pid is not None and self.process.is_alive():
-            self.process.kill()
-        self._conn.close()
+        if self._conn is not None:
+            self._conn.close()
 
     def _died(self) -> ToolError:
         self.kill()
-        return ToolError(f"the worker process of tool {self.tool_name!r} died")
+        return ToolError(f"the worker process of tool {self.tool_name!r} died"
+                         + ("" if self.built else " while it built its copy of the tool (in the tool's constructor, "
+                                                  "or as it loaded the tool's class)"))
 
     async def _reply(self) -> Any:
         if not self._conn.poll():
@@ -360,7 +500,7 @@ class ProcessInstance:
         """The instance's turn for one call: waits for the calls before it, then makes sure a live worker holds the
         instance. The `ToolBox` enters it before the call's timeout starts: a call's timeout covers its own work,
         never the wait, nor a worker's start (bounded by `WORKER_START_TIMEOUT_S`: a first start also starts the
-        forkserver), nor the instance created again after a kill (bounded by the tool's timeout of its own)."""
+        launcher), nor the instance created again after a kill (bounded by the tool's timeout of its own)."""
         async with self._lock:
             await self._ensure_worker()
             yield

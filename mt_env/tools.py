@@ -294,7 +294,7 @@ class ToolBox:
             if isinstance(error, asyncio.CancelledError):
                 raise error
             why = f"timed out after {self.tools[name].settings.timeout}s" if isinstance(error, _Timeout) else (
-                f"{type(error).__name__}: {error}")
+                f"{type(error).__name__}: {' '.join(str(error).split()) or '(no message)'}")  # on one line
             raise ToolError(f"tool {name!r} could not create its instance for this episode: {why}") from error
 
     async def calc_rewards(self) -> dict[str, float]:

@@ -47,9 +47,14 @@ def test_the_same_command_twice_keeps_the_run_and_exits_at_once(tmp_path, capsys
     assert again == {k: first[k] for k in ("steps", "start_val_success", "final_val_success")} | {
         "elapsed_s": again["elapsed_s"]}
     assert (tmp_path / "metrics.jsonl").read_bytes() == before  # nothing rewritten
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved == ["checkpoint_1", "checkpoint_2"]
-    # the SFT warm start's optimizer is not saved: one optimizer file, the RL one
-    assert sorted(p.name for p in (tmp_path / "checkpoints" / "checkpoint_2").glob("optimizer*")) == ["optimizer.bin"]
+    # checkpoint_0: at the end of SFT (sft.save_every)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == saved == [
+        "checkpoint_0", "checkpoint_1", "checkpoint_2"]
+    # once SFT is over, its optimizer is not saved: one optimizer file, the RL one
+    for step in (0, 2):
+        assert sorted(p.name for p in (tmp_path / "checkpoints" / f"checkpoint_{step}").glob("optimizer*")) == [
+            "optimizer.bin"]
+        assert not list((tmp_path / "checkpoints" / f"checkpoint_{step}").glob("sft_state*"))
 
 
 def test_a_run_without_a_complete_checkpoint_is_refused_at_start(tmp_path):

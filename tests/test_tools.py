@@ -703,16 +703,21 @@ def test_neither_a_restart_nor_the_wait_for_a_killed_call_is_part_of_the_next_ca
 
 @pytest.mark.parametrize("config, message", [
     ({"isolation": "thread"}, "config.isolation must be 'none' or 'process'"),
-    ({"isolation": "process", "hook": lambda: 0}, "isolation: process needs a tool class importable"),
+    ({"isolation": "process", "lock": threading.Lock()}, "isolation: process sends the tool's class, config and "
+                                                         "schema to a worker process, and they cannot be pickled: "
+                                                         "TypeError: cannot pickle '_thread.lock' object"),
 ])
 def test_bad_isolation_settings(config, message):
     with pytest.raises(ToolConfigError, match=re.escape(message)):
         BlockingTool(config)
 
 
-def test_isolation_needs_an_importable_class():
+def test_a_tool_class_defined_in_a_function_runs_in_a_worker_by_value():
+    """A class that is not importable by name travels to the worker by value (cloudpickle), like one defined in the
+    user's main script."""
     class Local(EchoTool):
-        pass
+        async def execute(self, instance_id, arguments, **execute_kwargs):
+            return f"{arguments['text']} from {os.getpid()}", 0.0, {}
 
-    with pytest.raises(ToolConfigError, match="tool 'echo': isolation: process needs a tool class importable"):
-        Local({"isolation": "process"})
+    (result,), _ = run_episode([Local({"isolation": "process"})], [ToolCall("echo", {"text": "hi"})])
+    assert result.ok and result.text.startswith("hi from ") and result.text != f"hi from {os.getpid()}"

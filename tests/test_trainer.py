@@ -127,12 +127,13 @@ def test_two_process_ddp_on_cpu(tmp_path):
     for r in steps:
         assert r["dist/processes"] == 2
         assert r["rollout/episodes"] == 8  # 4 tasks x 2 samples in all: 2 tasks on each process
-    # one complete checkpoint, with both processes' RNG states; it exports like a single-process one
+    # complete checkpoints (SFT's end, the last step), with both processes' RNG states; they export like a
+    # single-process one
     from trainers import checkpoints
     from trainers.export import export
 
-    (found,) = checkpoints.scan(tmp_path)
-    assert found.problem is None and found.step == 2
+    assert [(f.step, f.problem) for f in checkpoints.scan(tmp_path)] == [(0, None), (2, None)]
+    found = checkpoints.scan(tmp_path)[-1]
     assert {p.name for p in found.path.glob("random_states_*.pkl")} == {"random_states_0.pkl", "random_states_1.pkl"}
     out, _ = export(found.path, tmp_path / "exported")
     from transformers import AutoModelForCausalLM

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import threading
 import time
@@ -58,13 +57,23 @@ class BlockingTool(BaseTool):
         del self.labels[instance_id]
 
 
+def in_first_process(config: dict | None) -> dict:
+    """`config` with the pid of the process that builds the first copy of the tool (a worker gets that config)."""
+    return {"first_pid": os.getpid(), **(config or {})}
+
+
+def in_worker(config: dict) -> bool:
+    """Whether this copy of the tool is built in a worker process (not where the first copy was built)."""
+    return config["first_pid"] != os.getpid()
+
+
 class SlowStartTool(BlockingTool):
     """A `BlockingTool` that a worker process takes ``config["start_s"]`` seconds to build (the parent process builds
     its copy at once): every worker start, the first and each restart after a kill, is slow."""
 
     def __init__(self, config=None, tool_schema=None):
-        super().__init__(config, tool_schema)
-        if multiprocessing.parent_process() is not None:  # in a worker process
+        super().__init__(in_first_process(config), tool_schema)
+        if in_worker(self.config):
             time.sleep(self.config["start_s"])
 
 
@@ -105,6 +114,6 @@ class TimeoutOnStartTool(BlockingTool):
     builds its copy as usual): the worker's start fails as the tool says, within no limit of ours."""
 
     def __init__(self, config=None, tool_schema=None):
-        super().__init__(config, tool_schema)
-        if multiprocessing.parent_process() is not None:  # in a worker process
+        super().__init__(in_first_process(config), tool_schema)
+        if in_worker(self.config):
             raise TimeoutError("the tool's own license server timed out")

@@ -8,11 +8,14 @@ A run directory (``output_dir``) holds::
     checkpoints/
       checkpoint_<step>/       a complete checkpoint: accelerate's state (model.safetensors, optimizer.bin, RNG
                                and task-stream states, ...), hf/ (the model's config.json and the tokenizer: what
-                               trainers/export.py needs) and checkpoint.json, written last
+                               trainers/export.py needs) and checkpoint.json, written last; one taken during the
+                               SFT warm start (always checkpoint_0) also holds sft_state_<process>.pt, SFT's own
+                               state (trainers/sft.py)
       .checkpoint_<step>.tmp/  a save in progress, or one killed half-way: never resumed from
 
 **Saves are atomic.** Everything is written into the ``.tmp`` directory, then `checkpoint.json` (the run's
-progress, `RunState`, and the size of every file), and only then is the directory renamed to ``checkpoint_<step>``.
+progress, `RunState`, and the size of every file), and only then is the directory renamed to ``checkpoint_<step>``
+(replacing one of that name: the SFT warm start saves ``checkpoint_0`` more than once).
 A checkpoint is complete when its name has no ``.tmp`` and every file its manifest lists is there with its size.
 Only complete checkpoints are resumed from and counted by ``trainer.keep_last``.
 
@@ -20,7 +23,8 @@ Only complete checkpoints are resumed from and counted by ``trainer.keep_last``.
 
 * ``auto`` (the default): an output_dir without a run starts one. One whose newest complete checkpoint reached
   ``trainer.total_steps`` is finished: the command says so and exits at once (raise ``total_steps`` to extend it).
-  Otherwise the run resumes from that checkpoint, saying which one it took and why it skipped any other. A run that
+  Otherwise the run resumes from that checkpoint (in the middle of SFT, if SFT was stopped), saying which one it
+  took and why it skipped any other; metrics.jsonl keeps the rows logged before that checkpoint. A run that
   logged RL steps but has no complete checkpoint is refused at start (starting over would replace its metrics),
   with the ``--set output_dir=...`` that starts a new run instead. A resumed run may change only `RESUMABLE`
   settings; other differences are refused, named.
@@ -44,12 +48,14 @@ from .lora import is_adapter
 from .tracking import read_metrics
 
 MANIFEST = "checkpoint.json"
+SFT_STATE = "sft_state_{}.pt"  #: SFT's own state in a checkpoint taken during SFT, one file per process
 HF_DIR = "hf"  #: inside a checkpoint: the model's config.json and the tokenizer files
 _NAME = re.compile(r"^(\.?)checkpoint_(\d+)(\.tmp)?$")
 
 #: settings a resumed run may change (prefixes of dotted keys); anything else must equal the run's
 RESUMABLE = ("trainer.total_steps", "trainer.time_limit_s", "trainer.resume", "trainer.eval_every",
-             "trainer.save_every", "trainer.keep_last", "threads", "device", "logging.", "rollout.max_batch_size",
+             "trainer.save_every", "trainer.keep_last", "sft.save_every", "sft.time_limit_s", "threads", "device",
+             "logging.", "rollout.max_batch_size",
              "rollout.server_urls", "rollout.engine_kwargs", "rollout.backend")
 
 
@@ -59,13 +65,17 @@ class RunDirError(ConfigError):
 
 @dataclass
 class RunState:
-    """The run's progress, saved in each checkpoint's manifest: the step, the wall time of the whole run, and the
-    first and latest held-out evaluations (the first is the "before RL" figure, whatever resumes came after)."""
+    """The run's progress, saved in each checkpoint's manifest: the RL step, the SFT warm start's, the wall time of
+    the whole run, the first and latest held-out evaluations (the first is the "before RL" figure, whatever resumes
+    came after) and how many metrics rows had been logged."""
 
     step: int = 0
     prior_s: float = 0.0  #: wall time of the sessions before this one
     first_eval: dict | None = None
     last_eval: dict | None = None
+    sft_steps: int = 0  #: SFT steps done
+    sft_done: bool = False  #: SFT is over (or the run has none): a resume goes on with RL
+    metrics_rows: int | None = None  #: rows of metrics.jsonl when this state was saved (None: not known)
     _session_start: float = field(default_factory=time.perf_counter, repr=False, compare=False)
 
     def elapsed(self) -> float:
@@ -79,12 +89,22 @@ class RunState:
 
     def to_json(self) -> dict:
         return {"step": self.step, "elapsed_s": self.elapsed(), "first_eval": self.first_eval,
-                "last_eval": self.last_eval}
+                "last_eval": self.last_eval, "sft_steps": self.sft_steps, "sft_done": self.sft_done,
+                "metrics_rows": self.metrics_rows}
 
     @classmethod
     def from_json(cls, data: dict) -> RunState:
+        """A manifest's state; one written before SFT could be checkpointed was written after it (SFT done)."""
         return cls(step=int(data["step"]), prior_s=float(data["elapsed_s"]), first_eval=data.get("first_eval"),
-                   last_eval=data.get("last_eval"))
+                   last_eval=data.get("last_eval"), sft_steps=int(data.get("sft_steps", 0)),
+                   sft_done=bool(data.get("sft_done", True)), metrics_rows=data.get("metrics_rows"))
+
+    def progress(self) -> dict:
+        """Everything but the clock: a save of the same progress writes nothing."""
+        return {k: v for k, v in self.to_json().items() if k not in ("elapsed_s", "metrics_rows")}
+
+    def where(self) -> str:
+        return f"step {self.step}" if self.sft_done else f"SFT step {self.sft_steps}"
 
     def summary(self) -> dict:
         return {"steps": self.step, "elapsed_s": self.elapsed(),
@@ -258,7 +278,7 @@ def plan_run(cfg: Config) -> RunPlan:
             f" held-out success {_pct(state.summary()['start_val_success'])} (before RL) -> "
             f"{_pct(state.summary()['final_val_success'])}. Nothing to do: raise trainer.total_steps to train it "
             f"further, or start a new run with --set output_dir={_free_name(out)}"])
-    return RunPlan(out, state, checkpoint, notes=[*skipped, f"resuming from {checkpoint} (step {state.step})"])
+    return RunPlan(out, state, checkpoint, notes=[*skipped, f"resuming from {checkpoint} ({state.where()})"])
 
 
 def _checked_path(checkpoint: Path, out: Path, complete: list[Path]) -> Path:
@@ -326,21 +346,24 @@ def _pct(x) -> str:
 class Checkpointer:
     """Saves the run's checkpoints atomically and keeps the newest `keep_last` complete ones.
 
-    Every process takes part in accelerate's `save_state` (each writes its RNG state); the main process writes the
-    Hugging Face files and the manifest, renames the directory and prunes."""
+    Every process takes part in accelerate's `save_state` (each writes its RNG state, and its `sft_state`); the
+    main process writes the Hugging Face files and the manifest, renames the directory and prunes. `tracker`: the
+    run's, whose rows the manifest counts (`RunState.metrics_rows`)."""
 
-    def __init__(self, accelerator, plan: RunPlan, keep_last: int, lm, tokenizer):
+    def __init__(self, accelerator, plan: RunPlan, keep_last: int, lm, tokenizer, tracker=None):
         self.accelerator = accelerator
         self.dir = plan.out / "checkpoints"
         self.keep_last = keep_last
         self.lm = lm
         self.tokenizer = tokenizer
-        self.saved_step = plan.state.step if plan.checkpoint is not None else None
+        self.tracker = tracker
+        self.saved = plan.state.progress() if plan.checkpoint is not None else None
 
-    def save(self, state: RunState) -> Path:
-        """Checkpoint `state.step` (nothing is written if that step is already saved); returns its directory."""
+    def save(self, state: RunState, sft_state: dict | None = None) -> Path:
+        """Checkpoint `state` as ``checkpoint_<state.step>`` (nothing is written if that progress is saved already),
+        with this process's `sft_state` (`read_sft_state`) when SFT is unfinished; returns its directory."""
         final = self.dir / f"checkpoint_{state.step}"
-        if state.step == self.saved_step:
+        if state.progress() == self.saved:
             return final
         acc = self.accelerator
         tmp = self.dir / f".checkpoint_{state.step}.tmp"
@@ -350,29 +373,45 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         acc.wait_for_everyone()
         acc.save_state(str(tmp))
+        if sft_state is not None:
+            import torch
+
+            torch.save(sft_state, tmp / SFT_STATE.format(acc.process_index))
         acc.wait_for_everyone()
         if acc.is_main_process:
             self.lm.config.save_pretrained(tmp / HF_DIR)
             self.lm.generation_config.save_pretrained(tmp / HF_DIR)
             self.tokenizer.save_pretrained(tmp / HF_DIR)
-            _write_manifest(tmp, state)
+            _write_manifest(tmp, state, len(self.tracker.history) if self.tracker is not None else None)
             _publish(tmp, final)
             for old in complete_checkpoints(scan(self.dir.parent))[:-self.keep_last]:
                 shutil.rmtree(old)
         acc.wait_for_everyone()
-        self.saved_step = state.step
+        self.saved = state.progress()
         return final
 
 
-def _write_manifest(tmp: Path, state: RunState) -> None:
-    """The manifest, written last: the run's progress and every file's size, each file flushed to disk first."""
+def read_sft_state(checkpoint: Path, process_index: int) -> dict:
+    """What `Checkpointer.save` stored as `sft_state` for process `process_index` in `checkpoint`."""
+    import torch
+
+    path = checkpoint / SFT_STATE.format(process_index)
+    if not path.is_file():
+        raise RunDirError(f"{checkpoint} was saved during SFT by fewer processes than this run has: it holds no "
+                          f"{path.name}; resume it with the number of processes that saved it")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _write_manifest(tmp: Path, state: RunState, metrics_rows: int | None) -> None:
+    """The manifest, written last: the run's progress (with the number of metrics rows logged so far) and every
+    file's size, each file flushed to disk first."""
     files = {}
     for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
         with f.open("rb") as handle:
             os.fsync(handle.fileno())
         files[str(f.relative_to(tmp))] = f.stat().st_size
     with (tmp / MANIFEST).open("w", encoding="utf-8") as handle:
-        json.dump({"state": state.to_json(), "files": files}, handle, indent=1)
+        json.dump({"state": state.to_json() | {"metrics_rows": metrics_rows}, "files": files}, handle, indent=1)
         handle.flush()
         os.fsync(handle.fileno())
 

@@ -228,6 +228,8 @@ class SFTConfig:
     demo_skill: float = option(1.0, "share of demonstrations that use the tool correctly (imperfect below 1)",
                                ge=0, le=1)
     time_limit_s: float | None = option(None, "stop SFT after this much wall time (null: no limit)", gt=0)
+    save_every: int = option(100, "SFT steps between checkpoints, and one at SFT's end (0: only when interrupted)",
+                             ge=0)
 
 
 @dataclass

@@ -35,6 +35,8 @@ import argparse
 import contextlib
 import functools
 import math
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -42,8 +44,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
+# OpenMP reads its wait policy once, when torch loads it. PASSIVE: a CPU thread that waits for the others sleeps
+# instead of spinning, so another busy process (or this one's engine and env threads) slows the steps in proportion
+# instead of many times over (docs/trainer_config.md, "CPU threads"). A value in the environment wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -54,7 +61,7 @@ from accelerate.utils import set_seed
 from mt_env.batch import TrainBatch, collate, micro_batches, pack
 from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
-from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run
+from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run, read_sft_state
 from trainers.config import Config, load_config
 from trainers.distributed import (FullStateDict, across_processes, forward_passes_everywhere, frozen_reference,
                                   fsdp_sharding, initialize_root, peak_memory)
@@ -64,7 +71,7 @@ from trainers.recording import Recorder
 from trainers.rollouts import LocalRollouts, eval_metrics, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
                             make_models, make_tokenizer, model_summary)
-from trainers.sft import demonstration_samples, sft_warm_start
+from trainers.sft import SFTStopped, WarmStart, demonstration_samples
 from trainers.stopping import EmptySteps, StopRequested, debug_flag, entry_point, resume_command
 from trainers.tracking import Tracker
 
@@ -83,7 +90,10 @@ def main(argv=None) -> dict:
     accelerator, plan, link = open_run(cfg)  # a new run, a resume from its newest checkpoint, or nothing to do
     if plan.finished:
         return plan.state.summary()
-    run = build(cfg, accelerator, plan, link)
+    try:
+        run = build(cfg, accelerator, plan, link)
+    except SFTStopped as e:  # Ctrl-C during SFT: saved at an SFT step boundary
+        return stopped_in_sft(e, cfg, accelerator, plan.state, sys.argv[1:] if argv is None else argv)
     if link is not None and not link.trains:  # trainer.async_rollout: this process generates for the trainer
         return serve(run.rollouts, link, run.lm)
     acc, t = run.accelerator, cfg.trainer
@@ -223,7 +233,7 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | Non
     tracker = Tracker(Path(cfg.output_dir), cfg.to_dict(), enabled=accelerator.is_main_process and trains,
                       jsonl=cfg.logging.jsonl, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
                       wandb_project=cfg.logging.wandb_project, resume_step=state.step if resuming else None,
-                      clock=state.elapsed)
+                      resume_rows=state.metrics_rows, clock=state.elapsed)
     start = time.perf_counter()
     tokenizer = make_tokenizer(cfg)
     make_env, make_eval_env = env_factory(cfg, tokenizer), env_factory(cfg, tokenizer, eval_env=True)
@@ -233,16 +243,20 @@ def build(cfg: Config, accelerator: Accelerator, plan: RunPlan, link: Link | Non
     models, reference = _trainable_models(cfg, tokenizer, accelerator, trains)
     lm = accelerator.unwrap_model(models.policy).lm
     tracker.message(model_summary(cfg, lm))
-    checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer) if trains else None
+    checkpointer = Checkpointer(accelerator, plan, cfg.trainer.keep_last, lm, tokenizer, tracker) if trains else None
     if trains:
         accelerator.register_for_checkpointing(tasks)
-        if cfg.sft.steps and not resuming:
-            _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker)
+        in_sft = not state.sft_done  # a new run, or one stopped during SFT: its checkpoint has no KL reference yet
+        if resuming and in_sft:
+            accelerator.load_state(str(plan.checkpoint))
+        if in_sft:
+            _warm_start(cfg, make_env, TaskSource(probe_env, seed=cfg.seed + 1), models.policy, accelerator, tracker,
+                        state, checkpointer, plan.checkpoint)
         if reference is not None:  # the KL reference is the policy as RL starts (after SFT), or as checkpointed
             policy = accelerator.unwrap_model(models.policy)
             models.reference = frozen_reference(reference, policy, fsdp_sharding(accelerator))
             accelerator.register_for_checkpointing(FullStateDict(models.reference))
-        if resuming:
+        if resuming and not in_sft:
             accelerator.load_state(str(plan.checkpoint))
     if link is not None and link.trains:
         rollouts = RemoteRollouts(link, lm, tasks, cfg.trainer.total_steps)
@@ -278,19 +292,22 @@ def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator,
     return models, reference
 
 
-def _warm_start(cfg: Config, make_env, demo_source: TaskSource, policy, accelerator: Accelerator,
-                tracker: Tracker) -> None:
-    """SFT on the env's demonstrations, played through the env (its own task stream, disjoint from training's)."""
+def _warm_start(cfg: Config, make_env, demo_source: TaskSource, policy, accelerator: Accelerator, tracker: Tracker,
+                state: RunState, checkpointer: Checkpointer, checkpoint: Path | None) -> None:
+    """SFT on the env's demonstrations, played through the env (its own task stream, disjoint from training's),
+    from ``state.sft_steps`` on (with SFT's state from `checkpoint`, a run stopped during SFT); it checkpoints as
+    `WarmStart.run` says, and raises `SFTStopped` when a signal stopped it."""
+    if not cfg.sft.steps:
+        state.sft_done = True
+        return
     demo_tasks = demo_source.next(min(4096, cfg.sft.steps * cfg.sft.batch_size))
     samples = demonstration_samples(make_env, demo_tasks, cfg.sft.demo_skill, cfg.seed)
-    # not passed to accelerator.prepare: prepared optimizers go into every checkpoint, and this one is dead once RL
-    # starts (the prepared policy already synchronises gradients across processes); it is freed on return
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.sft.lr)
-    tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), {cfg.sft.steps} steps")
-    pad = demo_source.env.tokenizer.pad_token_id
-    stats = sft_warm_start(policy, optimizer, samples, pad, cfg.sft.steps, cfg.sft.batch_size, accelerator, tracker,
-                           cfg.seed, cfg.sft.time_limit_s)
-    tracker.log(0, stats, console=False)
+    sft = WarmStart(policy, samples, demo_source.env.tokenizer.pad_token_id, cfg.sft, cfg.seed, accelerator)
+    if checkpoint is not None:
+        sft.load_state_dict(read_sft_state(checkpoint, accelerator.process_index))
+    tracker.message(f"sft: {len(samples)} demonstration samples (skill {cfg.sft.demo_skill}), {cfg.sft.steps} steps"
+                    + (f", from step {state.sft_steps + 1}" if state.sft_steps else ""))
+    sft.run(state, tracker, save=functools.partial(checkpointer.save, state))
 
 
 # ================================================================================================== one step
@@ -547,6 +564,13 @@ def finish(run: Run, config_name: str, stopped_by: str | None = None, argv: list
     run.accelerator.wait_for_everyone()
     run.accelerator.end_training()  # every process leaves the process group together
     return summary
+
+
+def stopped_in_sft(stop: SFTStopped, cfg: Config, accelerator: Accelerator, state: RunState, argv: list[str]) -> dict:
+    """Say what SFT saved when a signal stopped it and how to continue (`argv`: this command's); the summary."""
+    accelerator.print(f"{stop}. To continue, run the same command: {resume_command(argv, cfg.trainer.resume)}")
+    accelerator.end_training()
+    return state.summary() | {"sft_steps": state.sft_steps, "stopped_by": signal.Signals(stop.signum).name}
 
 
 #: metrics that count things: summed over processes (everything else is averaged)

@@ -2,7 +2,8 @@
 reward / success curve PNG at the end of a run.
 
 A resumed run's ``metrics.jsonl`` reads as one run: the rows logged after the checkpoint it resumes from (steps that
-run again) are dropped, and ``time_s`` is the run's clock (`RunState.elapsed`), which continues across sessions."""
+run again; SFT's row and the first evaluation, when SFT or that evaluation runs again) are dropped, and ``time_s``
+is the run's clock (`RunState.elapsed`), which continues across sessions."""
 
 from __future__ import annotations
 
@@ -41,8 +42,10 @@ def show_progress() -> None:
 class Tracker:
     def __init__(self, output_dir: str | Path, config: dict, enabled: bool = True, jsonl: bool = True,
                  tensorboard: bool = False, wandb: bool = False, wandb_project: str = "mt_env",
-                 resume_step: int | None = None, clock: Callable[[], float] | None = None):
-        """`resume_step`: continue the metrics of a run resumed from that step's checkpoint (None: a new run).
+                 resume_step: int | None = None, clock: Callable[[], float] | None = None,
+                 resume_rows: int | None = None):
+        """`resume_step`: continue the metrics of a run resumed from that step's checkpoint (None: a new run), which
+        had logged `resume_rows` rows when it was saved (None: all those of steps up to `resume_step`).
         `clock`: seconds since the run started (default: since this tracker was made)."""
         self.dir = Path(output_dir)
         self.enabled = enabled
@@ -60,7 +63,7 @@ class Tracker:
         if jsonl:
             path = self.dir / "metrics.jsonl"
             if resume_step is not None and path.is_file():
-                self.history = _keep_up_to(path, resume_step)
+                self.history = _keep_up_to(path, resume_step, resume_rows)
             self._jsonl = path.open("a" if resume_step is not None else "w", encoding="utf-8")
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -148,15 +151,17 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def _keep_up_to(path: Path, step: int) -> list[dict]:
-    """Rewrite `path` (atomically) without the rows of steps after `step`, which the resumed run logs again."""
+def _keep_up_to(path: Path, step: int, count: int | None = None) -> list[dict]:
+    """Rewrite `path` (atomically) without the rows of steps after `step`, and beyond the first `count` rows, which
+    the resumed run logs again."""
     rows = read_metrics(path)
-    kept = [r for r in rows if r["step"] <= step]
+    kept = [r for r in rows if r["step"] <= step][:count]
     if len(kept) < len(rows):
         tmp = path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         os.replace(tmp, path)
-        dropped = sorted({r["step"] for r in rows if r["step"] > step})
+        kept_ids = {id(r) for r in kept}
+        dropped = sorted({r["step"] for r in rows if id(r) not in kept_ids})
         print(f"metrics.jsonl: dropped {len(rows) - len(kept)} rows of steps {dropped[0]}-{dropped[-1]}, logged "
               f"after the checkpoint of step {step} (they run again)", flush=True)
     return kept
