@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import time
@@ -127,6 +126,7 @@ class BaseTool:
             check_isolatable(type(self), self.config, self.tool_schema, self.name)
         self.validator = arguments_validator(self.tool_schema)
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_slot: tuple[weakref.ref, asyncio.Semaphore] | None = None  #: (its loop, the slot) of the last call
 
     @property
     def name(self) -> str:
@@ -156,9 +156,12 @@ class BaseTool:
         """The semaphore limiting this tool's running calls in the current event loop (one per loop: semaphores
         bind to the loop that first waits on them)."""
         loop = asyncio.get_running_loop()
+        if self._last_slot is not None and self._last_slot[0]() is loop:  # the usual case: the previous call's loop
+            return self._last_slot[1]
         slot = self._semaphores.get(loop)
         if slot is None:
             slot = self._semaphores[loop] = asyncio.Semaphore(self.settings.max_concurrency)
+        self._last_slot = (weakref.ref(loop), slot)
         return slot
 
     def __repr__(self) -> str:
@@ -211,10 +214,12 @@ def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequen
         bad = [key for key in per_tool if key not in KWARGS_KEYS]
         if bad:
             raise ToolConfigError(f"{where}[{name!r}] has unknown key(s) {bad}; expected some of {KWARGS_KEYS}")
+        out[name] = {}
         for key in KWARGS_KEYS:
-            if not isinstance(per_tool.get(key) or {}, Mapping):
+            kwargs = per_tool.get(key) or {}
+            if type(kwargs) is not dict and not isinstance(kwargs, Mapping):  # a dict told without the ABC's check
                 raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
-        out[name] = {key: dict(per_tool.get(key) or {}) for key in KWARGS_KEYS}
+            out[name][key] = dict(kwargs)
     return out
 
 
@@ -254,6 +259,7 @@ class ToolBox:
         self.kwargs: dict[str, dict[str, dict]] = {}
         self.counts: Counter = Counter()
         self._next_call = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  #: the loop its calls last ran in
 
     @property
     def schemas(self) -> list[dict]:
@@ -307,7 +313,7 @@ class ToolBox:
                     value = await _with_timeout(
                         self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
                         tool.settings.timeout, (name, "calc_reward"))
-                if not is_real(value) or not math.isfinite(value):
+                if not (type(value) is float or is_real(value)) or not math.isfinite(value):
                     raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
                 return float(value)
             except Exception as e:
@@ -418,30 +424,39 @@ class ToolBox:
 
     async def _run(self, tool: BaseTool, call_id: str, arguments: dict) -> ToolResult:
         settings, name = tool.settings, tool.name
-        retryable = (TransientToolError, *tool.transient_errors)
         attempts = 0
-        use_daemon_threads(asyncio.get_running_loop())  # also when the episode was created in another loop
-        async with tool._concurrency_slot():
-            while True:
-                attempts += 1
-                try:
-                    async with self._turn(name):
-                        output = await _with_timeout(
-                            self._runners[name].execute(self.instances[name], arguments,
-                                                        **self._kwargs(name, "execute_kwargs")),
-                            settings.timeout, (name, "execute"))
-                    break
-                except _Timeout:
-                    return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after "
-                                                                   f"{settings.timeout}s", tool, attempts)
-                except retryable as e:
-                    if attempts <= settings.retries:
-                        self.counts["retries"] += 1
-                        continue
-                    return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
-                except Exception as e:
-                    return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # also when the episode was created in another loop
+            use_daemon_threads(loop)
+            self._loop = loop
+        while True:
+            attempts += 1
+            try:
+                output = await self._attempt(tool, arguments)
+                break
+            except _Timeout:
+                return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after {settings.timeout}s",
+                                     tool, attempts)
+            except Exception as e:
+                if attempts <= settings.retries and isinstance(e, (TransientToolError, *tool.transient_errors)):
+                    self.counts["retries"] += 1
+                    continue
+                return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
         return self._success(tool, call_id, output, attempts)
+
+    async def _attempt(self, tool: BaseTool, arguments: dict) -> Any:
+        """One execution of a call, holding one of the tool's concurrency slots and under its timeout."""
+        name, slot = tool.name, tool._concurrency_slot()
+        runner, instance, kwargs = self._runners[name], self.instances[name], self._kwargs(name, "execute_kwargs")
+        if isinstance(runner, ProcessInstance) or slot.locked():
+            async with slot:
+                async with self._turn(name):
+                    return await _with_timeout(runner.execute(instance, arguments, **kwargs), tool.settings.timeout,
+                                               (name, "execute"))
+        # A slot is free: a call that finishes without suspending never needs it (nothing else runs meanwhile);
+        # one that suspends takes it then, before it goes on (`_with_timeout`).
+        return await _with_timeout(runner.execute(instance, arguments, **kwargs), tool.settings.timeout,
+                                   (name, "execute"), slot)
 
     def _success(self, tool: BaseTool, call_id: str, output: Any, attempts: int) -> ToolResult:
         problem = _response_problem(output)
@@ -483,22 +498,36 @@ class _Timeout(Exception):
     """Raised by `_with_timeout` only (a tool's own TimeoutError is an ordinary exception)."""
 
 
-async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str]) -> Any:
+async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str],
+                        slot: asyncio.Semaphore | None = None) -> Any:
     """Await `awaitable` for at most `timeout` seconds, then cancel it and raise `_Timeout`. Unlike
     `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited.
 
     Most tools finish without ever suspending (pure computation); those run inline here, with no task and no
     timer — the event-loop overhead would otherwise dominate an env step. A tool that suspends continues as a task
-    under the timeout. Each synchronous step of the coroutine is shown to the blocking watchdog as `step`, the
-    (tool, method) it belongs to."""
-    if inspect.iscoroutine(awaitable):
+    under the timeout, holding `slot` (when given) until it ends. Each synchronous step of the coroutine is shown to
+    the blocking watchdog as `step`, the (tool, method) it belongs to."""
+    if type(awaitable) is types.CoroutineType:
         try:
             first = _advance(awaitable.send, None, step)
         except StopIteration as done:
             return done.value
-        task = asyncio.ensure_future(_resume(awaitable, first, step))
-    else:
-        task = asyncio.ensure_future(awaitable)
+        awaitable = _resume(awaitable, first, step)
+    if slot is not None:
+        try:
+            await slot.acquire()  # the tool waits where it suspended: its own await resumes once it has a slot
+        except BaseException:
+            awaitable.close()
+            raise
+    try:
+        return await _timed(asyncio.ensure_future(awaitable), timeout)
+    finally:
+        if slot is not None:
+            slot.release()
+
+
+async def _timed(task: asyncio.Future, timeout: float) -> Any:
+    """`task`'s result within `timeout` seconds; else it is cancelled, given a short grace, and `_Timeout` raised."""
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     except asyncio.CancelledError:
@@ -570,6 +599,9 @@ def _unpack_call(call: Any) -> tuple[str, dict, str | None]:
 
 def _response_problem(output: Any) -> str | None:
     """Why `output` is not a usable ``(response, reward, metrics)``, or None."""
+    if type(output) is tuple and len(output) == 3 and type(output[0]) is str and type(output[2]) is dict and (
+            type(output[1]) is float and math.isfinite(output[1]) or type(output[1]) is int):
+        return None  # the usual response, told by exact types (the checks below ask the number ABCs)
     if not isinstance(output, tuple | list) or len(output) != 3:
         return f"execute() must return (response, reward, metrics), got {type(output).__name__}"
     response, reward, metrics = output
