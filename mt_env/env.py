@@ -294,7 +294,7 @@ class ToolEnv(gym.Env):
             messages, reward, end = await self._run_tools(parsed, info)
         elif end is None:
             messages, end = self._follow_up(text)
-        messages, replaced = encodable_value(messages)
+        messages, replaced = _encodable_messages(messages)
         info["unencodable_chars"] += unencodable + replaced  # with the call arguments' (see _parse)
         obs = {"text": "", "input_ids": ()}
         if messages and end is None:
@@ -334,8 +334,9 @@ class ToolEnv(gym.Env):
         unencodable = 0
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
-            call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
-            unencodable += replaced
+            if _may_hold_surrogates(call.raw):
+                call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
+                unencodable += replaced
         calls = [c.to_openai() for c in parsed.calls]
         if self.conversation is not None:
             self.conversation.set_parsed(calls, parsed.content)
@@ -443,19 +444,23 @@ class ToolEnv(gym.Env):
             self.tool_counts["released"] += box.counts["released"]
 
     def _as_turn(self, action) -> ModelTurn:
-        if isinstance(action, ModelTurn):
-            turn = action
-        elif isinstance(action, str):
+        """`action` as a checked `ModelTurn` (see `_checked_turn`); a text action is one by construction."""
+        if type(action) is str:  # the common text action: a str with finish reason "stop" needs no check
             turn = ModelTurn(text=action)
-        elif isinstance(action, Mapping):
-            turn = ModelTurn(ids=action.get("token_ids"), text=action.get("text"),
-                             finish_reason=_finish_reason(action.get("finish_reason", "stop")),
-                             logprobs=action.get("logprobs"))
-        elif isinstance(action, (list, tuple, np.ndarray)):
-            turn = ModelTurn(ids=action)
         else:
-            raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
-        turn = _checked_turn(turn)
+            if isinstance(action, ModelTurn):
+                turn = action
+            elif isinstance(action, str):
+                turn = ModelTurn(text=action)
+            elif isinstance(action, Mapping):
+                turn = ModelTurn(ids=action.get("token_ids"), text=action.get("text"),
+                                 finish_reason=_finish_reason(action.get("finish_reason", "stop")),
+                                 logprobs=action.get("logprobs"))
+            elif isinstance(action, (list, tuple, np.ndarray)):
+                turn = ModelTurn(ids=action)
+            else:
+                raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
+            turn = _checked_turn(turn)
         if turn.ids is not None and self.tokenizer is None:
             raise ValueError("token-id actions need an env created with a tokenizer; pass text instead")
         return turn
@@ -487,6 +492,8 @@ def _checked_options(options: Any) -> Mapping[str, Any]:
     """`reset`'s options, checked: a dict whose ``task``, when given, is a task row."""
     if options is None:
         return {}
+    if type(options) is dict and type(options.get("task", options)) is dict:  # the usual options, told by type
+        return options
     if not isinstance(options, Mapping):
         raise TypeError(f"reset options must be a dict such as {{'task': row}} or None, got {type(options).__name__}")
     if "task" in options and not isinstance(options["task"], Mapping):
@@ -508,20 +515,48 @@ def _finish_reason(value: Any) -> str:
 
 def _checked_turn(turn: ModelTurn) -> ModelTurn:
     """`turn` with its text checked to be a str and its ids made a list of ints (numpy arrays and integers are
-    accepted); a `TypeError` or `ValueError` saying what was expected otherwise."""
+    accepted); a `TypeError` or `ValueError` saying what was expected otherwise. The turn itself when it holds
+    that already (the common case: an engine's list of ints), else a checked copy."""
     if turn.text is not None and not isinstance(turn.text, str):
         raise TypeError(f"a model turn's text must be a str, got {type(turn.text).__name__}")
-    reason = _finish_reason(turn.finish_reason)
-    return replace(turn, ids=None if turn.ids is None else _int_ids(turn.ids), finish_reason=reason)
+    reason = turn.finish_reason
+    if not (isinstance(reason, str) and reason in FINISH_REASONS):  # a turn changed after it was made
+        reason = _finish_reason(reason)
+    ids = None if turn.ids is None else _int_ids(turn.ids)
+    if ids is turn.ids and reason is turn.finish_reason:
+        return turn
+    return replace(turn, ids=ids, finish_reason=reason)
 
 
 def _int_ids(ids: Any) -> list[int]:
+    """`ids` as a list of ints: the list itself when it is one (checked by type, without a call per id)."""
+    if type(ids) is list and set(map(type, ids)) <= _INT:
+        return ids
     try:
         if isinstance(ids, str | bytes):
             raise TypeError
         return list(map(operator.index, ids))  # ints and numpy integers, never floats or strings
     except TypeError:
         raise TypeError("a model turn's token_ids must be a sequence of ints") from None
+
+
+_INT = frozenset({int})
+
+
+def _encodable_messages(messages: list[dict]) -> tuple[list[dict], int]:
+    """`encodable_value` of a step's messages, after a quick look at their text: text that is ASCII (the usual
+    tool output) holds nothing to replace."""
+    for message in messages:
+        for value in message.values():
+            if type(value) is not str or not value.isascii():
+                return encodable_value(messages)
+    return messages, 0
+
+
+def _may_hold_surrogates(raw: str) -> bool:
+    """Whether arguments decoded from a call's JSON text `raw` may hold a lone surrogate: JSON text that is ASCII
+    holds one only through a ``\\u`` escape. A call with no text (a parser that kept none) may."""
+    return not raw or not raw.isascii() or "\\u" in raw
 
 
 def _encodable_turn(turn: ModelTurn) -> tuple[ModelTurn, int]:
