@@ -50,7 +50,7 @@ from .chat_format import ChatFormat, encodable, encodable_value, shared_chat_for
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
-from .parsers import get_parser
+from .parsers import shared_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox, cap_calls
 from .turn import FINISH_REASONS, ModelTurn
@@ -263,7 +263,7 @@ class ToolEnv(gym.Env):
         self.tool_counts["created"] += len(chosen.tools)
         key = tuple(chosen.names)
         self._parser = self._parsers.get(key) or self._parsers.setdefault(
-            key, get_parser(self.tool_format, chosen.schemas))
+            key, shared_parser(self.tool_format, chosen.schemas))
         messages = self.prompt_messages(task)
         _check_encodable(messages, chosen.sample_id)
         self.messages = list(messages)
@@ -561,7 +561,7 @@ def _may_hold_surrogates(raw: str) -> bool:
 
 def _encodable_turn(turn: ModelTurn) -> tuple[ModelTurn, int]:
     """`turn` with text that UTF-8 cannot hold replaced (see `encodable`), and how many characters were."""
-    if turn.text is None:
+    if turn.text is None or turn.text.isascii():  # ASCII: nothing to replace, told without a call
         return turn, 0
     text, replaced = encodable(turn.text)
     return (replace(turn, text=text) if replaced else turn), replaced

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -381,6 +382,25 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen3": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
+
+
+def shared_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ToolCallParser:
+    """`get_parser(name, tools)`: the one that the process's envs already use for this format and these schemas, or
+    a new one (a parser keeps nothing between turns; 256 envs share one, its validators and their code). SGLang's
+    parsers, which wrap detectors of their own, are made anew."""
+    if name.startswith("sglang:"):
+        return get_parser(name, tools)
+    try:
+        key = (name, json.dumps(tools, sort_keys=True))
+    except (TypeError, ValueError):  # schemas that JSON cannot write: a parser of their own
+        return get_parser(name, tools)
+    parser = _in_use.get(key)
+    if parser is None:
+        parser = _in_use[key] = get_parser(name, tools)
+    return parser
+
+
+_in_use: weakref.WeakValueDictionary[tuple[str, str], ToolCallParser] = weakref.WeakValueDictionary()
 
 
 def get_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> ToolCallParser:

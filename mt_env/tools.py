@@ -279,7 +279,8 @@ class ToolBox:
         if self.instances:
             raise ToolError("create_all() was already called: release_all() first (one ToolBox per episode)")
         self.kwargs = normalize_tools_kwargs(tools_kwargs, list(self.tools))
-        use_daemon_threads(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        use_daemon_threads(self._loop)
 
         async def create(tool: BaseTool) -> None:
             async with self._turn(tool.name):  # a worker process's start is not part of the tool's timeout
