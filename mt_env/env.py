@@ -345,7 +345,7 @@ class ToolEnv(gym.Env):
         self._counts["parse_errors"] += len(parsed.errors)
         info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls,
                 "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors],
-                "parse_metrics": dict(parsed.metrics), "unencodable_chars": unencodable}
+                "parse_metrics": parsed.metrics, "unencodable_chars": unencodable}
         return parsed, info
 
     def _end_before_answer(self, finish: str, parsed) -> _End | None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,12 +70,12 @@ class ParsedTurn:
     """One turn's text outside calls, its calls and its errors. `metrics` counts the lenient readings (keys of
     `PARSE_METRICS`): ``string_arguments`` (``"arguments"`` given as a JSON-encoded object, decoded once),
     ``unclosed_at_stop`` (a ``<tool_call>`` left open by a turn that ended on ``stop``), ``array_calls`` (calls
-    read from a JSON array inside one ``<tool_call>``)."""
+    read from a JSON array inside one ``<tool_call>``); a reading that did not happen is not a key."""
 
     content: str
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[ParseError] = field(default_factory=list)
-    metrics: Counter = field(default_factory=Counter)
+    metrics: dict[str, int] = field(default_factory=dict)
 
 
 class ToolCallParser:
@@ -97,7 +96,7 @@ class ToolCallParser:
         ``length``, ``abort``): only a turn in `CUT_FINISH_REASONS` can hold a cut-off call."""
         raise NotImplementedError
 
-    def _decode_call(self, body: str, raw: str, metrics: Counter) -> list[ToolCall | ParseError]:
+    def _decode_call(self, body: str, raw: str, metrics: dict[str, int]) -> list[ToolCall | ParseError]:
         """One call's JSON text -> the checked call, or the reason it is not one. A JSON array of calls (which SGLang
         and vLLM accept) gives one result per element, so its valid calls run and its invalid ones are reported."""
         if len(body) > self.max_call_chars:
@@ -111,10 +110,10 @@ class ToolCallParser:
             return [self._check_call(obj, raw, metrics)]
         if not obj:
             return [ParseError("malformed_json", "the tool call is an empty JSON array: it calls nothing", raw)]
-        metrics["array_calls"] += len(obj)
+        metrics["array_calls"] = metrics.get("array_calls", 0) + len(obj)
         return [self._check_call(item, raw, metrics) for item in obj]
 
-    def _check_call(self, obj: Any, raw: str, metrics: Counter) -> ToolCall | ParseError:
+    def _check_call(self, obj: Any, raw: str, metrics: dict[str, int]) -> ToolCall | ParseError:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return ParseError("malformed_json", 'a tool call must be a JSON object with a string "name" and an '
                                                 '"arguments" object', raw)
@@ -123,7 +122,7 @@ class ToolCallParser:
         arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
         if isinstance(arguments, str) and (decoded := _json_object(arguments)) is not None:
             arguments = decoded  # the model serialized the object itself: decode once, as vLLM does
-            metrics["string_arguments"] += 1
+            metrics["string_arguments"] = metrics.get("string_arguments", 0) + 1
         validator = None
         if self.validators is not None:
             validator = self.validators.get(name)
@@ -218,12 +217,13 @@ class HermesParser(ToolCallParser):
         turn.content = "".join(content).strip()
         return turn
 
-    def _unclosed_call(self, raw: str, finish_reason: str, metrics: Counter) -> list[ToolCall | ParseError]:
+    def _unclosed_call(self, raw: str, finish_reason: str, metrics: dict[str, int]) -> list[ToolCall | ParseError]:
         """A ``<tool_call>`` still open at the end of the turn (`raw` runs from the tag to the end)."""
         if finish_reason in CUT_FINISH_REASONS:
             return [ParseError("truncated", f"the tool call was cut off before </tool_call> "
                                             f"({_CUT_WHY[finish_reason]})", raw)]
-        metrics["unclosed_at_stop"] += 1  # the model stopped: read the call if its JSON is whole, as vLLM does
+        # the model stopped: read the call if its JSON is whole, as vLLM does
+        metrics["unclosed_at_stop"] = metrics.get("unclosed_at_stop", 0) + 1
         return self._decode_call(raw[len(self.OPEN):].strip(), raw, metrics)
 
     def _after_leading_reasoning(self, text: str) -> int:
