@@ -336,7 +336,8 @@ class ToolEnv(gym.Env):
             call.id = call.id or f"call_{self.turn - 1}_{i}"
             if _may_hold_surrogates(call.raw):
                 call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
-                unencodable += replaced
+                if replaced:
+                    unencodable, call.checked_by = unencodable + replaced, None  # the toolbox checks them again
         calls = [c.to_openai() for c in parsed.calls]
         if self.conversation is not None:
             self.conversation.set_parsed(calls, parsed.content)

@@ -48,6 +48,9 @@ class ToolCall:
     arguments: dict[str, Any]
     id: str | None = None
     raw: str = ""  #: the exact text of the call in the turn
+    #: the validator that accepted `arguments` (the parser's, when it was given schemas): a `ToolBox` whose tool
+    #: checks with that very validator does not check them again; whoever changes `arguments` sets it to None
+    checked_by: Any = field(default=None, repr=False, compare=False)
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI ``tool_calls`` entry (arguments as JSON text)."""
@@ -136,7 +139,7 @@ class ToolCallParser:
             problem = argument_error(validator, arguments)
             if problem:
                 return ParseError("invalid_arguments", f"invalid arguments for {shown!r}: {problem}", raw, name)
-        return ToolCall(name, arguments, None, raw)
+        return ToolCall(name, arguments, None, raw, checked_by=validator)
 
 
 def _reject_constant(name: str):

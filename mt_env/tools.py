@@ -417,7 +417,8 @@ class ToolBox:
                                                                 f"tools: {', '.join(self.tools) or 'none'}")
         if name not in self.instances:
             raise ToolError(f"tool {name!r} has no instance: call create_all() before executing calls")
-        problem = argument_error(tool.validator, arguments)
+        checked = isinstance(call, ToolCall) and call.checked_by is tool.validator  # by the parser, with this check
+        problem = None if checked else argument_error(tool.validator, arguments)
         if problem:
             return self._failure(name, call_id, "invalid_arguments", f"invalid arguments for {name!r}: {problem}",
                                  tool)
