@@ -50,7 +50,7 @@ from .chat_format import ChatFormat, encodable, encodable_value, shared_chat_for
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
-from .parsers import shared_parser
+from .parsers import ToolCall, shared_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox, cap_calls
 from .turn import FINISH_REASONS, ModelTurn
@@ -338,14 +338,17 @@ class ToolEnv(gym.Env):
                 call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
                 if replaced:
                     unencodable, call.checked_by = unencodable + replaced, None  # the toolbox checks them again
-        calls = [c.to_openai() for c in parsed.calls]
+        calls = list(map(ToolCall.to_openai, parsed.calls))
         if self.conversation is not None:
             self.conversation.set_parsed(calls, parsed.content)
         else:
-            self.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            self.messages.append(message)
         self._counts["parse_errors"] += len(parsed.errors)
-        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls,
-                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors],
+        errors = [{"kind": e.kind, "message": e.message} for e in parsed.errors] if parsed.errors else []
+        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls, "parse_errors": errors,
                 "parse_metrics": parsed.metrics, "unencodable_chars": unencodable}
         return parsed, info
 
@@ -367,15 +370,19 @@ class ToolEnv(gym.Env):
         step reward, and an end if a tool with ``on_error: end_episode`` failed."""
         calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
         results = await self._box.execute_many(calls, self.max_parallel_tools)
-        errors = sum(1 for r in results if r.error_kind)
+        messages, reports, reward, errors, end = [], [], 0.0, 0, None
+        for r in results:  # one pass (usually over one result), no comprehension per field
+            messages.append(r.to_message())
+            reports.append({"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error,
+                            "error_kind": r.error_kind, "duration_s": r.duration_s, "metrics": r.metrics})
+            reward += r.reward
+            errors += bool(r.error_kind)
+            if r.end_episode:
+                end = _End(True, "a tool failed with on_error=end_episode")
         self._counts["tool_calls"] += len(results)
         self._counts["tool_errors"] += errors
-        info["tool_results"] = [
-            {"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error, "error_kind": r.error_kind,
-             "duration_s": r.duration_s, "metrics": r.metrics} for r in results]
-        info["tool_errors"] = errors
-        end = _End(True, "a tool failed with on_error=end_episode") if any(r.end_episode for r in results) else None
-        return [r.to_message() for r in results], float(sum(r.reward for r in results)), end
+        info["tool_results"], info["tool_errors"] = reports, errors
+        return messages, reward, end
 
     def _follow_up(self, final_text: str) -> tuple[list[dict], _End | None]:
         """After an answer: the user's follow-up (`interaction`) if one is allowed and comes, else the end."""
@@ -548,9 +555,12 @@ def _encodable_messages(messages: list[dict]) -> tuple[list[dict], int]:
     """`encodable_value` of a step's messages, after a quick look at their text: text that is ASCII (the usual
     tool output) holds nothing to replace."""
     for message in messages:
-        for value in message.values():
-            if type(value) is not str or not value.isascii():
-                return encodable_value(messages)
+        try:
+            if all(map(str.isascii, message.values())):
+                continue
+        except TypeError:  # a value that is not a str
+            pass
+        return encodable_value(messages)
     return messages, 0
 
 

@@ -214,13 +214,16 @@ def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequen
         bad = [key for key in per_tool if key not in KWARGS_KEYS]
         if bad:
             raise ToolConfigError(f"{where}[{name!r}] has unknown key(s) {bad}; expected some of {KWARGS_KEYS}")
-        out[name] = {}
-        for key in KWARGS_KEYS:
-            kwargs = per_tool.get(key) or {}
-            if type(kwargs) is not dict and not isinstance(kwargs, Mapping):  # a dict told without the ABC's check
-                raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
-            out[name][key] = dict(kwargs)
+        kwargs = [per_tool.get(key) or {} for key in KWARGS_KEYS]
+        if not set(map(type, kwargs)) <= _DICT:  # dicts told without the Mapping ABC's check, one by one
+            for key, value in zip(KWARGS_KEYS, kwargs):
+                if not isinstance(value, Mapping):
+                    raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
+        out[name] = dict(zip(KWARGS_KEYS, map(dict, kwargs)))
     return out
+
+
+_DICT = frozenset({dict})
 
 
 def cap_calls(calls: Sequence[Any], limit: int) -> list:
@@ -434,7 +437,7 @@ class ToolBox:
         while True:
             attempts += 1
             try:
-                output = await self._attempt(tool, arguments)
+                output = await self._attempt(tool, name, arguments)
                 break
             except _Timeout:
                 return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after {settings.timeout}s",
@@ -446,9 +449,10 @@ class ToolBox:
                 return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
         return self._success(tool, call_id, output, attempts)
 
-    async def _attempt(self, tool: BaseTool, arguments: dict) -> Any:
-        """One execution of a call, holding one of the tool's concurrency slots and under its timeout."""
-        name, slot = tool.name, tool._concurrency_slot()
+    async def _attempt(self, tool: BaseTool, name: str, arguments: dict) -> Any:
+        """One execution of a call to `tool` (called `name`), holding one of its concurrency slots and under its
+        timeout."""
+        slot = tool._concurrency_slot()
         runner, instance, kwargs = self._runners[name], self.instances[name], self._kwargs(name, "execute_kwargs")
         if isinstance(runner, ProcessInstance) or slot.locked():
             async with slot:
@@ -510,10 +514,13 @@ async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str],
     under the timeout, holding `slot` (when given) until it ends. Each synchronous step of the coroutine is shown to
     the blocking watchdog as `step`, the (tool, method) it belongs to."""
     if type(awaitable) is types.CoroutineType:
+        watch = watch_step(*step)  # its first synchronous step (`_advance`, inline: most tools take only this one)
         try:
-            first = _advance(awaitable.send, None, step)
+            first = awaitable.send(None)
         except StopIteration as done:
             return done.value
+        finally:
+            watch.exit()
         awaitable = _resume(awaitable, first, step)
     if slot is not None:
         try:
