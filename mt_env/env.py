@@ -427,8 +427,10 @@ class ToolEnv(gym.Env):
         else:
             self._text_final = final
         await self._end_episode_tools()
+        episode = self.episode_stats()
+        episode["end_reason"] = end.reason
         info.update(final_reward=final, tool_rewards=tool_rewards, answer_reward=answer, end_reason=end.reason,
-                    episode=dict(self.episode_stats(), end_reason=end.reason))
+                    episode=episode)
         return final
 
     # ----------------------------------------------------------------------------------------- internals
@@ -582,6 +584,8 @@ def _check_encodable(messages: Sequence[Mapping[str, Any]], sample_id: Any) -> N
     """Refuse prompt messages with text that UTF-8 cannot hold: the dataset row needs fixing, naming it."""
     for i, message in enumerate(messages):
         content = message.get("content")
+        if type(content) is str and content.isascii():  # the usual text, told without a call
+            continue
         at = unencodable_at(content) if isinstance(content, str) else None
         if at is not None:
             row = f"sample {sample_id!r}" if sample_id is not None else "the task row (it has no sample_id)"

@@ -40,6 +40,10 @@ PARSE_METRICS = ("string_arguments", "unclosed_at_stop", "array_calls")
 MAX_CALL_CHARS = 65_536
 
 
+#: ``json.dumps(arguments, ensure_ascii=False)`` without an encoder made for every call
+_ARGUMENTS_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
 @dataclass
 class ToolCall:
     """One parsed call. `id` is None for formats without call ids (the runner numbers calls itself)."""
@@ -55,7 +59,7 @@ class ToolCall:
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI ``tool_calls`` entry (arguments as JSON text)."""
         return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+                "function": {"name": self.name, "arguments": _ARGUMENTS_JSON.encode(self.arguments)}}
 
 
 @dataclass
@@ -121,7 +125,6 @@ class ToolCallParser:
             return ParseError("malformed_json", 'a tool call must be a JSON object with a string "name" and an '
                                                 '"arguments" object', raw)
         name = obj["name"]
-        shown = shorten(name, 80)  # for messages: without schemas a name may be any length
         arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
         if isinstance(arguments, str) and (decoded := _json_object(arguments)) is not None:
             arguments = decoded  # the model serialized the object itself: decode once, as vLLM does
@@ -131,15 +134,22 @@ class ToolCallParser:
             validator = self.validators.get(name)
             if validator is None:
                 known = ", ".join(self.validators) or "none"
-                return ParseError("unknown_tool", f"unknown tool {shown!r}; available tools: {known}",
+                return ParseError("unknown_tool", f"unknown tool {_shown(name)!r}; available tools: {known}",
                                   raw, name)
         if not isinstance(arguments, dict):
-            return ParseError("invalid_arguments", f"the arguments of {shown!r} must be a JSON object", raw, name)
+            return ParseError("invalid_arguments", f"the arguments of {_shown(name)!r} must be a JSON object", raw,
+                              name)
         if validator is not None:
             problem = argument_error(validator, arguments)
             if problem:
-                return ParseError("invalid_arguments", f"invalid arguments for {shown!r}: {problem}", raw, name)
+                return ParseError("invalid_arguments", f"invalid arguments for {_shown(name)!r}: {problem}", raw,
+                                  name)
         return ToolCall(name, arguments, None, raw, checked_by=validator)
+
+
+def _shown(name: str) -> str:
+    """A tool name as error messages quote it: without schemas a name may be any length."""
+    return shorten(name, 80)
 
 
 def _reject_constant(name: str):
@@ -182,6 +192,8 @@ class HermesParser(ToolCallParser):
     THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
     def parse(self, text: str, finish_reason: str = "stop") -> ParsedTurn:
+        if self.OPEN not in text and self.THINK_CLOSE not in text:  # no call, no reasoning to skip: all content
+            return ParsedTurn(text.strip())
         turn = ParsedTurn("")
         content: list[str] = []
         pos = 0  # start of the text not yet assigned to content or to a call

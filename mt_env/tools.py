@@ -41,7 +41,7 @@ import types
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -208,6 +208,9 @@ def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequen
         raise ToolConfigError(f"{where} names unknown tool(s) {unknown}; configured tools: {list(known)}")
     out = {}
     for name, per_tool in tools_kwargs.items():
+        if type(per_tool) is _ToolKwargs:  # normalized before (select_tools, then the episode's ToolBox): as it is
+            out[name] = per_tool
+            continue
         per_tool = per_tool or {}
         if not isinstance(per_tool, Mapping):
             raise ToolConfigError(f"{where}[{name!r}] must be a mapping with keys {KWARGS_KEYS}")
@@ -219,8 +222,12 @@ def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequen
             for key, value in zip(KWARGS_KEYS, kwargs):
                 if not isinstance(value, Mapping):
                     raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
-        out[name] = dict(zip(KWARGS_KEYS, map(dict, kwargs)))
+        out[name] = _ToolKwargs(zip(KWARGS_KEYS, map(dict, kwargs)))
     return out
+
+
+class _ToolKwargs(dict):
+    """One tool's entry as `normalize_tools_kwargs` returns it (checked, every key present)."""
 
 
 _DICT = frozenset({dict})
@@ -286,11 +293,7 @@ class ToolBox:
         use_daemon_threads(self._loop)
 
         async def create(tool: BaseTool) -> None:
-            async with self._turn(tool.name):  # a worker process's start is not part of the tool's timeout
-                created = await _with_timeout(
-                    self._runners[tool.name].create(None, **self._kwargs(tool.name, "create_kwargs")),
-                    tool.settings.timeout, (tool.name, "create"))
-            created = created_id(created)
+            created = created_id(await self._lifecycle(tool.name, "create", None))
             if not isinstance(created, str):
                 raise TypeError(f"create() must return the instance id (a str), got {type(created).__name__}")
             self.instances[tool.name] = created
@@ -313,10 +316,7 @@ class ToolBox:
         async def reward(name: str, instance_id: str) -> float:
             tool = self.tools[name]
             try:
-                async with self._turn(name):
-                    value = await _with_timeout(
-                        self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
-                        tool.settings.timeout, (name, "calc_reward"))
+                value = await self._lifecycle(name, "calc_reward", instance_id)
                 if not (type(value) is float or is_real(value)) or not math.isfinite(value):
                     raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
                 return float(value)
@@ -337,7 +337,7 @@ class ToolBox:
         async def release(name: str, instance_id: str) -> None:
             tool = self.tools[name]
             try:
-                await _with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release_kwargs")),
+                await _with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release")),
                                     tool.settings.timeout, (name, "release"))
             except Exception as e:
                 self.counts["release_errors"] += 1
@@ -355,12 +355,22 @@ class ToolBox:
         elif pending:
             await asyncio.shield(asyncio.gather(*(release(n, i) for n, i in pending.items())))
 
-    def _kwargs(self, name: str, key: str) -> dict:
-        return self.kwargs.get(name, {}).get(key, {})
+    async def _lifecycle(self, name: str, method: str, instance_id: str | None) -> Any:
+        """The tool `name`'s `method` (``create`` or ``calc_reward``) with its kwargs, under the tool's timeout; an
+        isolated tool's once it has its turn (`ProcessInstance.turn`: a worker's start is not part of the timeout)."""
+        runner, timeout, kwargs = self._runners[name], self.tools[name].settings.timeout, self._kwargs(name, method)
+        if isinstance(runner, ProcessInstance):
+            async with runner.turn():
+                return await _with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
+        return await _with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
+
+    def _kwargs(self, name: str, method: str) -> dict:
+        """The tool `name`'s kwargs for its lifecycle `method` (``create``, ``execute``, ...) in this episode."""
+        return self.kwargs.get(name, {}).get(f"{method}_kwargs", {})
 
     def _turn(self, name: str) -> contextlib.AbstractAsyncContextManager:
-        """Entered before each lifecycle call's timeout starts: an isolated tool's `ProcessInstance.turn` (the wait
-        for the episode's earlier calls, a worker's start or restart), nothing for a tool that runs here."""
+        """Entered before a call's timeout starts: an isolated tool's `ProcessInstance.turn` (the wait for the
+        episode's earlier calls, a worker's start or restart), nothing for a tool that runs here."""
         runner = self._runners[name]
         return runner.turn() if isinstance(runner, ProcessInstance) else _NO_TURN
 
@@ -394,7 +404,9 @@ class ToolBox:
 
     async def _execute(self, call: Any, call_id: str) -> ToolResult:
         started = time.perf_counter()
-        result = await self._dispatch(call, call_id)
+        result = self._dispatch(call, call_id)
+        if not isinstance(result, ToolResult):
+            result = await result
         result.duration_s = time.perf_counter() - started
         self.counts["calls"] += 1
         if result.error_kind:
@@ -404,7 +416,8 @@ class ToolBox:
             self.counts["truncated"] += 1
         return result
 
-    async def _dispatch(self, call: Any, call_id: str) -> ToolResult:
+    def _dispatch(self, call: Any, call_id: str) -> ToolResult | Awaitable[ToolResult]:
+        """A call refused at once (its `ToolResult`), or its run (to await)."""
         if isinstance(call, ParseError):
             kind = call.kind if call.kind in ERROR_KINDS else "parse"  # a parse-level kind reads as "parse"
             tool = self.tools.get(call.name or "")
@@ -425,7 +438,7 @@ class ToolBox:
         if problem:
             return self._failure(name, call_id, "invalid_arguments", f"invalid arguments for {name!r}: {problem}",
                                  tool)
-        return await self._run(tool, call_id, arguments)
+        return self._run(tool, call_id, arguments)
 
     async def _run(self, tool: BaseTool, call_id: str, arguments: dict) -> ToolResult:
         settings, name = tool.settings, tool.name
@@ -449,20 +462,24 @@ class ToolBox:
                 return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
         return self._success(tool, call_id, output, attempts)
 
-    async def _attempt(self, tool: BaseTool, name: str, arguments: dict) -> Any:
+    def _attempt(self, tool: BaseTool, name: str, arguments: dict) -> Awaitable:
         """One execution of a call to `tool` (called `name`), holding one of its concurrency slots and under its
-        timeout."""
+        timeout (an awaitable: no coroutine of its own on the usual path)."""
         slot = tool._concurrency_slot()
-        runner, instance, kwargs = self._runners[name], self.instances[name], self._kwargs(name, "execute_kwargs")
-        if isinstance(runner, ProcessInstance) or slot.locked():
-            async with slot:
-                async with self._turn(name):
-                    return await _with_timeout(runner.execute(instance, arguments, **kwargs), tool.settings.timeout,
-                                               (name, "execute"))
+        if isinstance(self._runners[name], ProcessInstance) or slot.locked():
+            return self._attempt_in_slot(tool, name, arguments, slot)
         # A slot is free: a call that finishes without suspending never needs it (nothing else runs meanwhile);
         # one that suspends takes it then, before it goes on (`_with_timeout`).
-        return await _with_timeout(runner.execute(instance, arguments, **kwargs), tool.settings.timeout,
-                                   (name, "execute"), slot)
+        return _with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"), slot)
+
+    async def _attempt_in_slot(self, tool: BaseTool, name: str, arguments: dict, slot: asyncio.Semaphore) -> Any:
+        """`_attempt` once it has the slot (and, for an isolated tool, its worker's turn)."""
+        async with slot:
+            async with self._turn(name):
+                return await _with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"))
+
+    def _execution(self, name: str, arguments: dict) -> Awaitable:
+        return self._runners[name].execute(self.instances[name], arguments, **self._kwargs(name, "execute"))
 
     def _success(self, tool: BaseTool, call_id: str, output: Any, attempts: int) -> ToolResult:
         problem = _response_problem(output)
