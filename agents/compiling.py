@@ -135,17 +135,19 @@ def _recompile_room():
 _ROOM: Any = None
 
 
-def stop_compile_workers(timeout_s: float = COMPILE_WORKERS_STOP_S) -> None:
-    """Stop Inductor's compile worker pools, if any were started, within about `timeout_s` seconds: Inductor's
-    shutdown (`shutdown_compile_workers`) is given `timeout_s`, then the sidecar process of a pool still running
-    is killed (its workers exit when their parent does). Inductor starts a pool again if it compiles later.
+def stop_compile_workers(timeout_s: float | None = None) -> None:
+    """Stop Inductor's compile worker pools, if any were started, within about `timeout_s` seconds (default
+    `COMPILE_WORKERS_STOP_S`): Inductor's shutdown (`shutdown_compile_workers`) is given `timeout_s`, then the sidecar
+    process of a pool still running is killed (its workers exit when their parent does). Inductor starts a pool again
+    if it compiles later.
 
-    Why: Inductor's own exit hook waits up to 300 s for each sidecar to exit. One still importing torch when the
-    process ends (a pool warmed by a late first compilation) holds the exit until it has started; one that never
-    answers, the whole 300 s (H200 runs that had printed their results ended at their time limits)."""
+    Why: Inductor's own exit hook waits up to 300 s for each sidecar to exit: one still starting when the process
+    ends (a pool warmed by a late first compilation) holds the exit until it has started, one that never answers
+    holds it the whole 300 s."""
     async_compile = sys.modules.get("torch._inductor.async_compile")
     if async_compile is None:
         return  # Inductor never loaded: no pool
+    timeout_s = COMPILE_WORKERS_STOP_S if timeout_s is None else timeout_s
     stopper = threading.Thread(target=async_compile.shutdown_compile_workers, name="stop-compile-workers",
                                daemon=True)
     stopper.start()

@@ -49,9 +49,10 @@ import signal
 import torch._inductor.config
 torch._inductor.config.compile_threads = 2  # a worker pool on any machine
 from torch._inductor.async_compile import AsyncCompile
-from agents.compiling import stop_compile_workers_at_exit
+import agents.compiling
 
-stop_compile_workers_at_exit()  # what the first compilation through agents.compiling does
+agents.compiling.COMPILE_WORKERS_STOP_S = 1.0  # the pool's grace before its sidecar is killed (5 s by default)
+agents.compiling.stop_compile_workers_at_exit()  # what the first compilation through agents.compiling does
 pool = AsyncCompile.process_pool()  # what Inductor's first compilation starts: its workers behind a sidecar
 os.kill(pool.process.pid, signal.SIGSTOP)  # a sidecar that does not answer
 print("END", flush=True)
