@@ -21,12 +21,17 @@ RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a
   CRITICAL, for an outcome the failure reason already reports. Other threads' compilations log as usual.
 * Inductor's ``emulate_precision_casts``: bf16 intermediates are rounded where eager rounds them, so compiled steps
   stay as close as possible to the module's own forward.
+* **A prompt exit**: Inductor compiles in a pool of worker processes behind a sidecar process, and its exit hook
+  waits up to 300 s for that sidecar to exit. From the first compilation on, `stop_compile_workers` runs at exit
+  first: it gives the pool `COMPILE_WORKERS_STOP_S` to stop, then kills the sidecar.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +48,8 @@ INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
 #: one line per long phase of a first step (compilations, CUDA graph captures): the trainer prints them
 progress = logging.getLogger("agents.progress")
 _CALLING = threading.local()  # the name of the function a `Compiled` is calling on this thread
+#: how long the end of a process waits for Inductor's compile workers to stop before their sidecar is killed
+COMPILE_WORKERS_STOP_S = 5.0
 
 
 def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -53,6 +60,7 @@ def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
 
     name = getattr(_CALLING, "name", "a function")
     progress.info("compiling %s with Inductor", name)
+    stop_compile_workers_at_exit()
     start = time.perf_counter()
     options = {k: v for k, v in INDUCTOR_OPTIONS.items() if hasattr(config, k)}
     compiled = compile_fx(graph, example_inputs, config_patches=options)
@@ -133,3 +141,42 @@ def _recompile_room():
 
 
 _ROOM: Any = None
+
+
+def stop_compile_workers(timeout_s: float | None = None) -> None:
+    """Stop Inductor's compile worker pools, if any were started, within about `timeout_s` seconds (default
+    `COMPILE_WORKERS_STOP_S`): Inductor's shutdown (`shutdown_compile_workers`) is given `timeout_s`, then the sidecar
+    process of a pool still running is killed (its workers exit when their parent does). Inductor starts a pool again
+    if it compiles later.
+
+    Why: Inductor's own exit hook waits up to 300 s for each sidecar to exit: one still starting when the process
+    ends (a pool warmed by a late first compilation) holds the exit until it has started, one that never answers
+    holds it the whole 300 s."""
+    async_compile = sys.modules.get("torch._inductor.async_compile")
+    if async_compile is None:
+        return  # Inductor never loaded: no pool
+    timeout_s = COMPILE_WORKERS_STOP_S if timeout_s is None else timeout_s
+    stopper = threading.Thread(target=async_compile.shutdown_compile_workers, name="stop-compile-workers",
+                               daemon=True)
+    stopper.start()
+    stopper.join(timeout_s)
+    if stopper.is_alive():
+        for pool in list(getattr(async_compile, "_pool_set", ())):
+            sidecar = getattr(pool, "process", None)  # a SubprocPool's (Inductor's default worker start method)
+            if sidecar is not None and sidecar.poll() is None:
+                sidecar.kill()
+        stopper.join(timeout_s)
+
+
+def stop_compile_workers_at_exit() -> None:
+    """Run `stop_compile_workers` at this process's exit, before Inductor's own exit hook (registered once, after
+    Inductor's: exit hooks run last registered first)."""
+    global _STOP_AT_EXIT
+    if not _STOP_AT_EXIT:
+        import torch._inductor.async_compile  # noqa: F401  (registers Inductor's hook first)
+
+        atexit.register(stop_compile_workers)
+        _STOP_AT_EXIT = True
+
+
+_STOP_AT_EXIT = False

@@ -58,6 +58,7 @@ DATA_ENV_VAR = "MT_ENV_GSM8K"
 REWARD_STYLES = ("lenient", "verl")
 _ANSWER = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
 _NUMBER = re.compile(r"-?[\d,]*\.?\d+")
+_INTEGER = re.compile(r"-?\d+")
 #: verl reads an answer from the last 300 characters of a solution only.
 VERL_CLIP_CHARS = 300
 _VERL_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -69,6 +70,8 @@ def normalize_number(text: Any) -> str | None:
     ``"72"``, however many digits; two numbers are equal iff their canonical forms are. None when there is none. A
     float (a JSON number; numpy's too, of any width, as a parquet file gives them) is read with all its digits
     (``1e+20`` would read as the number 20)."""
+    if type(text) is str and _INTEGER.fullmatch(text):  # a plain integer (most answers): its canonical form at once
+        return str(int(text))
     number = isinstance(text, (float, np.floating))
     found = _NUMBER.findall(format(Decimal(repr(float(text))), "f") if number else str(text))
     if not found:

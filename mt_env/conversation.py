@@ -40,6 +40,9 @@ from .sample import Sample, Seg, Segment
 from .turn import ModelTurn
 
 
+_INT = frozenset({int})
+
+
 @dataclass
 class TokenBudget:
     """Token limits of one episode. `None` means unlimited.
@@ -196,9 +199,10 @@ class Conversation:
         if self._awaiting != "assistant":
             raise ConversationError("an assistant turn must follow the prompt or an observation, not another turn")
         ids = list(ids)
-        self.fmt.check_ids(ids)
+        if not (set(map(type, ids)) <= _INT and (not ids or (min(ids) >= 0 and max(ids) < self.fmt.vocab_size))):
+            self.fmt.check_ids(ids)  # names the bad ids (the test above passes good ones without a call per id)
         if logprobs is not None:
-            logprobs = [float(x) for x in logprobs]
+            logprobs = list(map(float, logprobs))
             if len(logprobs) != len(ids):
                 raise ConversationError(f"{len(logprobs)} logprobs for {len(ids)} sampled ids")
         allowed = self.max_new_tokens

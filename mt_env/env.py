@@ -50,7 +50,7 @@ from .chat_format import ChatFormat, encodable, encodable_value, shared_chat_for
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
-from .parsers import get_parser
+from .parsers import ToolCall, shared_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox, cap_calls
 from .turn import FINISH_REASONS, ModelTurn
@@ -263,7 +263,7 @@ class ToolEnv(gym.Env):
         self.tool_counts["created"] += len(chosen.tools)
         key = tuple(chosen.names)
         self._parser = self._parsers.get(key) or self._parsers.setdefault(
-            key, get_parser(self.tool_format, chosen.schemas))
+            key, shared_parser(self.tool_format, chosen.schemas))
         messages = self.prompt_messages(task)
         _check_encodable(messages, chosen.sample_id)
         self.messages = list(messages)
@@ -294,7 +294,7 @@ class ToolEnv(gym.Env):
             messages, reward, end = await self._run_tools(parsed, info)
         elif end is None:
             messages, end = self._follow_up(text)
-        messages, replaced = encodable_value(messages)
+        messages, replaced = _encodable_messages(messages)
         info["unencodable_chars"] += unencodable + replaced  # with the call arguments' (see _parse)
         obs = {"text": "", "input_ids": ()}
         if messages and end is None:
@@ -334,17 +334,22 @@ class ToolEnv(gym.Env):
         unencodable = 0
         for i, call in enumerate(parsed.calls):  # ids shared by the assistant message and the tool responses
             call.id = call.id or f"call_{self.turn - 1}_{i}"
-            call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
-            unencodable += replaced
-        calls = [c.to_openai() for c in parsed.calls]
+            if _may_hold_surrogates(call.raw):
+                call.arguments, replaced = encodable_value(call.arguments)  # JSON's "\udce9" is a lone surrogate
+                if replaced:
+                    unencodable, call.checked_by = unencodable + replaced, None  # the toolbox checks them again
+        calls = list(map(ToolCall.to_openai, parsed.calls))
         if self.conversation is not None:
             self.conversation.set_parsed(calls, parsed.content)
         else:
-            self.messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message["tool_calls"] = calls
+            self.messages.append(message)
         self._counts["parse_errors"] += len(parsed.errors)
-        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls,
-                "parse_errors": [{"kind": e.kind, "message": e.message} for e in parsed.errors],
-                "parse_metrics": dict(parsed.metrics), "unencodable_chars": unencodable}
+        errors = [{"kind": e.kind, "message": e.message} for e in parsed.errors] if parsed.errors else []
+        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls, "parse_errors": errors,
+                "parse_metrics": parsed.metrics, "unencodable_chars": unencodable}
         return parsed, info
 
     def _end_before_answer(self, finish: str, parsed) -> _End | None:
@@ -365,15 +370,19 @@ class ToolEnv(gym.Env):
         step reward, and an end if a tool with ``on_error: end_episode`` failed."""
         calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
         results = await self._box.execute_many(calls, self.max_parallel_tools)
-        errors = sum(1 for r in results if r.error_kind)
+        messages, reports, reward, errors, end = [], [], 0.0, 0, None
+        for r in results:  # one pass (usually over one result), no comprehension per field
+            messages.append(r.to_message())
+            reports.append({"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error,
+                            "error_kind": r.error_kind, "duration_s": r.duration_s, "metrics": r.metrics})
+            reward += r.reward
+            errors += bool(r.error_kind)
+            if r.end_episode:
+                end = _End(True, "a tool failed with on_error=end_episode")
         self._counts["tool_calls"] += len(results)
         self._counts["tool_errors"] += errors
-        info["tool_results"] = [
-            {"name": r.name, "call_id": r.call_id, "reward": r.reward, "error": r.error, "error_kind": r.error_kind,
-             "duration_s": r.duration_s, "metrics": r.metrics} for r in results]
-        info["tool_errors"] = errors
-        end = _End(True, "a tool failed with on_error=end_episode") if any(r.end_episode for r in results) else None
-        return [r.to_message() for r in results], float(sum(r.reward for r in results)), end
+        info["tool_results"], info["tool_errors"] = reports, errors
+        return messages, reward, end
 
     def _follow_up(self, final_text: str) -> tuple[list[dict], _End | None]:
         """After an answer: the user's follow-up (`interaction`) if one is allowed and comes, else the end."""
@@ -418,8 +427,10 @@ class ToolEnv(gym.Env):
         else:
             self._text_final = final
         await self._end_episode_tools()
+        episode = self.episode_stats()
+        episode["end_reason"] = end.reason
         info.update(final_reward=final, tool_rewards=tool_rewards, answer_reward=answer, end_reason=end.reason,
-                    episode=dict(self.episode_stats(), end_reason=end.reason))
+                    episode=episode)
         return final
 
     # ----------------------------------------------------------------------------------------- internals
@@ -443,19 +454,23 @@ class ToolEnv(gym.Env):
             self.tool_counts["released"] += box.counts["released"]
 
     def _as_turn(self, action) -> ModelTurn:
-        if isinstance(action, ModelTurn):
-            turn = action
-        elif isinstance(action, str):
+        """`action` as a checked `ModelTurn` (see `_checked_turn`); a text action is one by construction."""
+        if type(action) is str:  # the common text action: a str with finish reason "stop" needs no check
             turn = ModelTurn(text=action)
-        elif isinstance(action, Mapping):
-            turn = ModelTurn(ids=action.get("token_ids"), text=action.get("text"),
-                             finish_reason=_finish_reason(action.get("finish_reason", "stop")),
-                             logprobs=action.get("logprobs"))
-        elif isinstance(action, (list, tuple, np.ndarray)):
-            turn = ModelTurn(ids=action)
         else:
-            raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
-        turn = _checked_turn(turn)
+            if isinstance(action, ModelTurn):
+                turn = action
+            elif isinstance(action, str):
+                turn = ModelTurn(text=action)
+            elif isinstance(action, Mapping):
+                turn = ModelTurn(ids=action.get("token_ids"), text=action.get("text"),
+                                 finish_reason=_finish_reason(action.get("finish_reason", "stop")),
+                                 logprobs=action.get("logprobs"))
+            elif isinstance(action, (list, tuple, np.ndarray)):
+                turn = ModelTurn(ids=action)
+            else:
+                raise TypeError(f"an action is a ModelTurn, a str, token ids or a dict, got {type(action).__name__}")
+            turn = _checked_turn(turn)
         if turn.ids is not None and self.tokenizer is None:
             raise ValueError("token-id actions need an env created with a tokenizer; pass text instead")
         return turn
@@ -487,6 +502,8 @@ def _checked_options(options: Any) -> Mapping[str, Any]:
     """`reset`'s options, checked: a dict whose ``task``, when given, is a task row."""
     if options is None:
         return {}
+    if type(options) is dict and type(options.get("task", options)) is dict:  # the usual options, told by type
+        return options
     if not isinstance(options, Mapping):
         raise TypeError(f"reset options must be a dict such as {{'task': row}} or None, got {type(options).__name__}")
     if "task" in options and not isinstance(options["task"], Mapping):
@@ -508,14 +525,23 @@ def _finish_reason(value: Any) -> str:
 
 def _checked_turn(turn: ModelTurn) -> ModelTurn:
     """`turn` with its text checked to be a str and its ids made a list of ints (numpy arrays and integers are
-    accepted); a `TypeError` or `ValueError` saying what was expected otherwise."""
+    accepted); a `TypeError` or `ValueError` saying what was expected otherwise. The turn itself when it holds
+    that already (the common case: an engine's list of ints), else a checked copy."""
     if turn.text is not None and not isinstance(turn.text, str):
         raise TypeError(f"a model turn's text must be a str, got {type(turn.text).__name__}")
-    reason = _finish_reason(turn.finish_reason)
-    return replace(turn, ids=None if turn.ids is None else _int_ids(turn.ids), finish_reason=reason)
+    reason = turn.finish_reason
+    if not (isinstance(reason, str) and reason in FINISH_REASONS):  # a turn changed after it was made
+        reason = _finish_reason(reason)
+    ids = None if turn.ids is None else _int_ids(turn.ids)
+    if ids is turn.ids and reason is turn.finish_reason:
+        return turn
+    return replace(turn, ids=ids, finish_reason=reason)
 
 
 def _int_ids(ids: Any) -> list[int]:
+    """`ids` as a list of ints: the list itself when it is one (checked by type, without a call per id)."""
+    if type(ids) is list and set(map(type, ids)) <= _INT:
+        return ids
     try:
         if isinstance(ids, str | bytes):
             raise TypeError
@@ -524,9 +550,31 @@ def _int_ids(ids: Any) -> list[int]:
         raise TypeError("a model turn's token_ids must be a sequence of ints") from None
 
 
+_INT = frozenset({int})
+
+
+def _encodable_messages(messages: list[dict]) -> tuple[list[dict], int]:
+    """`encodable_value` of a step's messages, after a quick look at their text: text that is ASCII (the usual
+    tool output) holds nothing to replace."""
+    for message in messages:
+        try:
+            if all(map(str.isascii, message.values())):
+                continue
+        except TypeError:  # a value that is not a str
+            pass
+        return encodable_value(messages)
+    return messages, 0
+
+
+def _may_hold_surrogates(raw: str) -> bool:
+    """Whether arguments decoded from a call's JSON text `raw` may hold a lone surrogate: JSON text that is ASCII
+    holds one only through a ``\\u`` escape. A call with no text (a parser that kept none) may."""
+    return not raw or not raw.isascii() or "\\u" in raw
+
+
 def _encodable_turn(turn: ModelTurn) -> tuple[ModelTurn, int]:
     """`turn` with text that UTF-8 cannot hold replaced (see `encodable`), and how many characters were."""
-    if turn.text is None:
+    if turn.text is None or turn.text.isascii():  # ASCII: nothing to replace, told without a call
         return turn, 0
     text, replaced = encodable(turn.text)
     return (replace(turn, text=text) if replaced else turn), replaced
@@ -536,6 +584,8 @@ def _check_encodable(messages: Sequence[Mapping[str, Any]], sample_id: Any) -> N
     """Refuse prompt messages with text that UTF-8 cannot hold: the dataset row needs fixing, naming it."""
     for i, message in enumerate(messages):
         content = message.get("content")
+        if type(content) is str and content.isascii():  # the usual text, told without a call
+            continue
         at = unencodable_at(content) if isinstance(content, str) else None
         if at is not None:
             row = f"sample {sample_id!r}" if sample_id is not None else "the task row (it has no sample_id)"

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections import Counter
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,10 @@ PARSE_METRICS = ("string_arguments", "unclosed_at_stop", "array_calls")
 MAX_CALL_CHARS = 65_536
 
 
+#: ``json.dumps(arguments, ensure_ascii=False)`` without an encoder made for every call
+_ARGUMENTS_JSON = json.JSONEncoder(ensure_ascii=False)
+
+
 @dataclass
 class ToolCall:
     """One parsed call. `id` is None for formats without call ids (the runner numbers calls itself)."""
@@ -48,11 +52,14 @@ class ToolCall:
     arguments: dict[str, Any]
     id: str | None = None
     raw: str = ""  #: the exact text of the call in the turn
+    #: the validator that accepted `arguments` (the parser's, when it was given schemas): a `ToolBox` whose tool
+    #: checks with that very validator does not check them again; whoever changes `arguments` sets it to None
+    checked_by: Any = field(default=None, repr=False, compare=False)
 
     def to_openai(self) -> dict[str, Any]:
         """The OpenAI ``tool_calls`` entry (arguments as JSON text)."""
         return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments, ensure_ascii=False)}}
+                "function": {"name": self.name, "arguments": _ARGUMENTS_JSON.encode(self.arguments)}}
 
 
 @dataclass
@@ -70,12 +77,12 @@ class ParsedTurn:
     """One turn's text outside calls, its calls and its errors. `metrics` counts the lenient readings (keys of
     `PARSE_METRICS`): ``string_arguments`` (``"arguments"`` given as a JSON-encoded object, decoded once),
     ``unclosed_at_stop`` (a ``<tool_call>`` left open by a turn that ended on ``stop``), ``array_calls`` (calls
-    read from a JSON array inside one ``<tool_call>``)."""
+    read from a JSON array inside one ``<tool_call>``); a reading that did not happen is not a key."""
 
     content: str
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[ParseError] = field(default_factory=list)
-    metrics: Counter = field(default_factory=Counter)
+    metrics: dict[str, int] = field(default_factory=dict)
 
 
 class ToolCallParser:
@@ -96,7 +103,7 @@ class ToolCallParser:
         ``length``, ``abort``): only a turn in `CUT_FINISH_REASONS` can hold a cut-off call."""
         raise NotImplementedError
 
-    def _decode_call(self, body: str, raw: str, metrics: Counter) -> list[ToolCall | ParseError]:
+    def _decode_call(self, body: str, raw: str, metrics: dict[str, int]) -> list[ToolCall | ParseError]:
         """One call's JSON text -> the checked call, or the reason it is not one. A JSON array of calls (which SGLang
         and vLLM accept) gives one result per element, so its valid calls run and its invalid ones are reported."""
         if len(body) > self.max_call_chars:
@@ -110,33 +117,39 @@ class ToolCallParser:
             return [self._check_call(obj, raw, metrics)]
         if not obj:
             return [ParseError("malformed_json", "the tool call is an empty JSON array: it calls nothing", raw)]
-        metrics["array_calls"] += len(obj)
+        metrics["array_calls"] = metrics.get("array_calls", 0) + len(obj)
         return [self._check_call(item, raw, metrics) for item in obj]
 
-    def _check_call(self, obj: Any, raw: str, metrics: Counter) -> ToolCall | ParseError:
+    def _check_call(self, obj: Any, raw: str, metrics: dict[str, int]) -> ToolCall | ParseError:
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return ParseError("malformed_json", 'a tool call must be a JSON object with a string "name" and an '
                                                 '"arguments" object', raw)
         name = obj["name"]
-        shown = shorten(name, 80)  # for messages: without schemas a name may be any length
         arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters", {})
         if isinstance(arguments, str) and (decoded := _json_object(arguments)) is not None:
             arguments = decoded  # the model serialized the object itself: decode once, as vLLM does
-            metrics["string_arguments"] += 1
+            metrics["string_arguments"] = metrics.get("string_arguments", 0) + 1
         validator = None
         if self.validators is not None:
             validator = self.validators.get(name)
             if validator is None:
                 known = ", ".join(self.validators) or "none"
-                return ParseError("unknown_tool", f"unknown tool {shown!r}; available tools: {known}",
+                return ParseError("unknown_tool", f"unknown tool {_shown(name)!r}; available tools: {known}",
                                   raw, name)
         if not isinstance(arguments, dict):
-            return ParseError("invalid_arguments", f"the arguments of {shown!r} must be a JSON object", raw, name)
+            return ParseError("invalid_arguments", f"the arguments of {_shown(name)!r} must be a JSON object", raw,
+                              name)
         if validator is not None:
             problem = argument_error(validator, arguments)
             if problem:
-                return ParseError("invalid_arguments", f"invalid arguments for {shown!r}: {problem}", raw, name)
-        return ToolCall(name, arguments, None, raw)
+                return ParseError("invalid_arguments", f"invalid arguments for {_shown(name)!r}: {problem}", raw,
+                                  name)
+        return ToolCall(name, arguments, None, raw, checked_by=validator)
+
+
+def _shown(name: str) -> str:
+    """A tool name as error messages quote it: without schemas a name may be any length."""
+    return shorten(name, 80)
 
 
 def _reject_constant(name: str):
@@ -179,6 +192,8 @@ class HermesParser(ToolCallParser):
     THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
     def parse(self, text: str, finish_reason: str = "stop") -> ParsedTurn:
+        if self.OPEN not in text and self.THINK_CLOSE not in text:  # no call, no reasoning to skip: all content
+            return ParsedTurn(text.strip())
         turn = ParsedTurn("")
         content: list[str] = []
         pos = 0  # start of the text not yet assigned to content or to a call
@@ -217,12 +232,13 @@ class HermesParser(ToolCallParser):
         turn.content = "".join(content).strip()
         return turn
 
-    def _unclosed_call(self, raw: str, finish_reason: str, metrics: Counter) -> list[ToolCall | ParseError]:
+    def _unclosed_call(self, raw: str, finish_reason: str, metrics: dict[str, int]) -> list[ToolCall | ParseError]:
         """A ``<tool_call>`` still open at the end of the turn (`raw` runs from the tag to the end)."""
         if finish_reason in CUT_FINISH_REASONS:
             return [ParseError("truncated", f"the tool call was cut off before </tool_call> "
                                             f"({_CUT_WHY[finish_reason]})", raw)]
-        metrics["unclosed_at_stop"] += 1  # the model stopped: read the call if its JSON is whole, as vLLM does
+        # the model stopped: read the call if its JSON is whole, as vLLM does
+        metrics["unclosed_at_stop"] = metrics.get("unclosed_at_stop", 0) + 1
         return self._decode_call(raw[len(self.OPEN):].strip(), raw, metrics)
 
     def _after_leading_reasoning(self, text: str) -> int:
@@ -381,6 +397,25 @@ PARSERS: dict[str, type[ToolCallParser]] = {
     "qwen3": HermesParser,
     "llama3_json": Llama3JsonParser,
 }
+
+
+def shared_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None) -> ToolCallParser:
+    """`get_parser(name, tools)`: the one that the process's envs already use for this format and these schemas, or
+    a new one (a parser keeps nothing between turns; 256 envs share one, its validators and their code). SGLang's
+    parsers, which wrap detectors of their own, are made anew."""
+    if name.startswith("sglang:"):
+        return get_parser(name, tools)
+    try:
+        key = (name, json.dumps(tools, sort_keys=True))
+    except (TypeError, ValueError):  # schemas that JSON cannot write: a parser of their own
+        return get_parser(name, tools)
+    parser = _in_use.get(key)
+    if parser is None:
+        parser = _in_use[key] = get_parser(name, tools)
+    return parser
+
+
+_in_use: weakref.WeakValueDictionary[tuple[str, str], ToolCallParser] = weakref.WeakValueDictionary()
 
 
 def get_parser(name: str, tools: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> ToolCallParser:

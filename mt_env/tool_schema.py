@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -113,8 +115,21 @@ class ArgumentsValidator:
 
 
 def arguments_validator(tool_schema: Mapping[str, Any]) -> ArgumentsValidator:
-    """A validator for the arguments of calls to the (already checked) `tool_schema`."""
-    return ArgumentsValidator(tool_schema["function"]["parameters"])
+    """A validator for the arguments of calls to the (already checked) `tool_schema`: the one that the tools and
+    parsers of the process's envs already use for the same parameters (built on a copy of them), or a new one. A
+    few hundred envs would otherwise each compile their own, and each call run its own copy of the check's code."""
+    parameters = tool_schema["function"]["parameters"]
+    try:
+        key = json.dumps(parameters, sort_keys=True)
+    except (TypeError, ValueError):  # parameters that JSON cannot write: a validator of their own
+        return ArgumentsValidator(copy.deepcopy(parameters))
+    validator = _in_use.get(key)
+    if validator is None:
+        validator = _in_use[key] = ArgumentsValidator(copy.deepcopy(parameters))
+    return validator
+
+
+_in_use: weakref.WeakValueDictionary[str, ArgumentsValidator] = weakref.WeakValueDictionary()
 
 
 def validators_by_name(tool_schemas: Sequence[Mapping[str, Any]]) -> dict[str, ArgumentsValidator]:

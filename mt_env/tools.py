@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import math
 import time
@@ -42,7 +41,7 @@ import types
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -127,6 +126,7 @@ class BaseTool:
             check_isolatable(type(self), self.config, self.tool_schema, self.name)
         self.validator = arguments_validator(self.tool_schema)
         self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last_slot: tuple[weakref.ref, asyncio.Semaphore] | None = None  #: (its loop, the slot) of the last call
 
     @property
     def name(self) -> str:
@@ -156,9 +156,12 @@ class BaseTool:
         """The semaphore limiting this tool's running calls in the current event loop (one per loop: semaphores
         bind to the loop that first waits on them)."""
         loop = asyncio.get_running_loop()
+        if self._last_slot is not None and self._last_slot[0]() is loop:  # the usual case: the previous call's loop
+            return self._last_slot[1]
         slot = self._semaphores.get(loop)
         if slot is None:
             slot = self._semaphores[loop] = asyncio.Semaphore(self.settings.max_concurrency)
+        self._last_slot = (weakref.ref(loop), slot)
         return slot
 
     def __repr__(self) -> str:
@@ -205,17 +208,29 @@ def normalize_tools_kwargs(tools_kwargs: Mapping[str, Any] | None, known: Sequen
         raise ToolConfigError(f"{where} names unknown tool(s) {unknown}; configured tools: {list(known)}")
     out = {}
     for name, per_tool in tools_kwargs.items():
+        if type(per_tool) is _ToolKwargs:  # normalized before (select_tools, then the episode's ToolBox): as it is
+            out[name] = per_tool
+            continue
         per_tool = per_tool or {}
         if not isinstance(per_tool, Mapping):
             raise ToolConfigError(f"{where}[{name!r}] must be a mapping with keys {KWARGS_KEYS}")
         bad = [key for key in per_tool if key not in KWARGS_KEYS]
         if bad:
             raise ToolConfigError(f"{where}[{name!r}] has unknown key(s) {bad}; expected some of {KWARGS_KEYS}")
-        for key in KWARGS_KEYS:
-            if not isinstance(per_tool.get(key) or {}, Mapping):
-                raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
-        out[name] = {key: dict(per_tool.get(key) or {}) for key in KWARGS_KEYS}
+        kwargs = [per_tool.get(key) or {} for key in KWARGS_KEYS]
+        if not set(map(type, kwargs)) <= _DICT:  # dicts told without the Mapping ABC's check, one by one
+            for key, value in zip(KWARGS_KEYS, kwargs):
+                if not isinstance(value, Mapping):
+                    raise ToolConfigError(f"{where}[{name!r}][{key!r}] must be a mapping of keyword arguments")
+        out[name] = _ToolKwargs(zip(KWARGS_KEYS, map(dict, kwargs)))
     return out
+
+
+class _ToolKwargs(dict):
+    """One tool's entry as `normalize_tools_kwargs` returns it (checked, every key present)."""
+
+
+_DICT = frozenset({dict})
 
 
 def cap_calls(calls: Sequence[Any], limit: int) -> list:
@@ -254,6 +269,7 @@ class ToolBox:
         self.kwargs: dict[str, dict[str, dict]] = {}
         self.counts: Counter = Counter()
         self._next_call = 0
+        self._loop: asyncio.AbstractEventLoop | None = None  #: the loop its calls last ran in
 
     @property
     def schemas(self) -> list[dict]:
@@ -273,14 +289,11 @@ class ToolBox:
         if self.instances:
             raise ToolError("create_all() was already called: release_all() first (one ToolBox per episode)")
         self.kwargs = normalize_tools_kwargs(tools_kwargs, list(self.tools))
-        use_daemon_threads(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        use_daemon_threads(self._loop)
 
         async def create(tool: BaseTool) -> None:
-            async with self._turn(tool.name):  # a worker process's start is not part of the tool's timeout
-                created = await _with_timeout(
-                    self._runners[tool.name].create(None, **self._kwargs(tool.name, "create_kwargs")),
-                    tool.settings.timeout, (tool.name, "create"))
-            created = created_id(created)
+            created = created_id(await self._lifecycle(tool.name, "create", None))
             if not isinstance(created, str):
                 raise TypeError(f"create() must return the instance id (a str), got {type(created).__name__}")
             self.instances[tool.name] = created
@@ -303,11 +316,8 @@ class ToolBox:
         async def reward(name: str, instance_id: str) -> float:
             tool = self.tools[name]
             try:
-                async with self._turn(name):
-                    value = await _with_timeout(
-                        self._runners[name].calc_reward(instance_id, **self._kwargs(name, "calc_reward_kwargs")),
-                        tool.settings.timeout, (name, "calc_reward"))
-                if not is_real(value) or not math.isfinite(value):
+                value = await self._lifecycle(name, "calc_reward", instance_id)
+                if not (type(value) is float or is_real(value)) or not math.isfinite(value):
                     raise TypeError(f"calc_reward() must return a finite number, got {value!r}")
                 return float(value)
             except Exception as e:
@@ -327,7 +337,7 @@ class ToolBox:
         async def release(name: str, instance_id: str) -> None:
             tool = self.tools[name]
             try:
-                await _with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release_kwargs")),
+                await _with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release")),
                                     tool.settings.timeout, (name, "release"))
             except Exception as e:
                 self.counts["release_errors"] += 1
@@ -345,12 +355,22 @@ class ToolBox:
         elif pending:
             await asyncio.shield(asyncio.gather(*(release(n, i) for n, i in pending.items())))
 
-    def _kwargs(self, name: str, key: str) -> dict:
-        return self.kwargs.get(name, {}).get(key, {})
+    async def _lifecycle(self, name: str, method: str, instance_id: str | None) -> Any:
+        """The tool `name`'s `method` (``create`` or ``calc_reward``) with its kwargs, under the tool's timeout; an
+        isolated tool's once it has its turn (`ProcessInstance.turn`: a worker's start is not part of the timeout)."""
+        runner, timeout, kwargs = self._runners[name], self.tools[name].settings.timeout, self._kwargs(name, method)
+        if isinstance(runner, ProcessInstance):
+            async with runner.turn():
+                return await _with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
+        return await _with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
+
+    def _kwargs(self, name: str, method: str) -> dict:
+        """The tool `name`'s kwargs for its lifecycle `method` (``create``, ``execute``, ...) in this episode."""
+        return self.kwargs.get(name, {}).get(f"{method}_kwargs", {})
 
     def _turn(self, name: str) -> contextlib.AbstractAsyncContextManager:
-        """Entered before each lifecycle call's timeout starts: an isolated tool's `ProcessInstance.turn` (the wait
-        for the episode's earlier calls, a worker's start or restart), nothing for a tool that runs here."""
+        """Entered before a call's timeout starts: an isolated tool's `ProcessInstance.turn` (the wait for the
+        episode's earlier calls, a worker's start or restart), nothing for a tool that runs here."""
         runner = self._runners[name]
         return runner.turn() if isinstance(runner, ProcessInstance) else _NO_TURN
 
@@ -384,7 +404,9 @@ class ToolBox:
 
     async def _execute(self, call: Any, call_id: str) -> ToolResult:
         started = time.perf_counter()
-        result = await self._dispatch(call, call_id)
+        result = self._dispatch(call, call_id)
+        if not isinstance(result, ToolResult):
+            result = await result
         result.duration_s = time.perf_counter() - started
         self.counts["calls"] += 1
         if result.error_kind:
@@ -394,7 +416,8 @@ class ToolBox:
             self.counts["truncated"] += 1
         return result
 
-    async def _dispatch(self, call: Any, call_id: str) -> ToolResult:
+    def _dispatch(self, call: Any, call_id: str) -> ToolResult | Awaitable[ToolResult]:
+        """A call refused at once (its `ToolResult`), or its run (to await)."""
         if isinstance(call, ParseError):
             kind = call.kind if call.kind in ERROR_KINDS else "parse"  # a parse-level kind reads as "parse"
             tool = self.tools.get(call.name or "")
@@ -410,38 +433,53 @@ class ToolBox:
                                                                 f"tools: {', '.join(self.tools) or 'none'}")
         if name not in self.instances:
             raise ToolError(f"tool {name!r} has no instance: call create_all() before executing calls")
-        problem = argument_error(tool.validator, arguments)
+        checked = isinstance(call, ToolCall) and call.checked_by is tool.validator  # by the parser, with this check
+        problem = None if checked else argument_error(tool.validator, arguments)
         if problem:
             return self._failure(name, call_id, "invalid_arguments", f"invalid arguments for {name!r}: {problem}",
                                  tool)
-        return await self._run(tool, call_id, arguments)
+        return self._run(tool, call_id, arguments)
 
     async def _run(self, tool: BaseTool, call_id: str, arguments: dict) -> ToolResult:
         settings, name = tool.settings, tool.name
-        retryable = (TransientToolError, *tool.transient_errors)
         attempts = 0
-        use_daemon_threads(asyncio.get_running_loop())  # also when the episode was created in another loop
-        async with tool._concurrency_slot():
-            while True:
-                attempts += 1
-                try:
-                    async with self._turn(name):
-                        output = await _with_timeout(
-                            self._runners[name].execute(self.instances[name], arguments,
-                                                        **self._kwargs(name, "execute_kwargs")),
-                            settings.timeout, (name, "execute"))
-                    break
-                except _Timeout:
-                    return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after "
-                                                                   f"{settings.timeout}s", tool, attempts)
-                except retryable as e:
-                    if attempts <= settings.retries:
-                        self.counts["retries"] += 1
-                        continue
-                    return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
-                except Exception as e:
-                    return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:  # also when the episode was created in another loop
+            use_daemon_threads(loop)
+            self._loop = loop
+        while True:
+            attempts += 1
+            try:
+                output = await self._attempt(tool, name, arguments)
+                break
+            except _Timeout:
+                return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after {settings.timeout}s",
+                                     tool, attempts)
+            except Exception as e:
+                if attempts <= settings.retries and isinstance(e, (TransientToolError, *tool.transient_errors)):
+                    self.counts["retries"] += 1
+                    continue
+                return self._failure(name, call_id, "exception", _describe(name, e), tool, attempts)
         return self._success(tool, call_id, output, attempts)
+
+    def _attempt(self, tool: BaseTool, name: str, arguments: dict) -> Awaitable:
+        """One execution of a call to `tool` (called `name`), holding one of its concurrency slots and under its
+        timeout (an awaitable: no coroutine of its own on the usual path)."""
+        slot = tool._concurrency_slot()
+        if isinstance(self._runners[name], ProcessInstance) or slot.locked():
+            return self._attempt_in_slot(tool, name, arguments, slot)
+        # A slot is free: a call that finishes without suspending never needs it (nothing else runs meanwhile);
+        # one that suspends takes it then, before it goes on (`_with_timeout`).
+        return _with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"), slot)
+
+    async def _attempt_in_slot(self, tool: BaseTool, name: str, arguments: dict, slot: asyncio.Semaphore) -> Any:
+        """`_attempt` once it has the slot (and, for an isolated tool, its worker's turn)."""
+        async with slot:
+            async with self._turn(name):
+                return await _with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"))
+
+    def _execution(self, name: str, arguments: dict) -> Awaitable:
+        return self._runners[name].execute(self.instances[name], arguments, **self._kwargs(name, "execute"))
 
     def _success(self, tool: BaseTool, call_id: str, output: Any, attempts: int) -> ToolResult:
         problem = _response_problem(output)
@@ -483,22 +521,39 @@ class _Timeout(Exception):
     """Raised by `_with_timeout` only (a tool's own TimeoutError is an ordinary exception)."""
 
 
-async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str]) -> Any:
+async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str],
+                        slot: asyncio.Semaphore | None = None) -> Any:
     """Await `awaitable` for at most `timeout` seconds, then cancel it and raise `_Timeout`. Unlike
     `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited.
 
     Most tools finish without ever suspending (pure computation); those run inline here, with no task and no
     timer — the event-loop overhead would otherwise dominate an env step. A tool that suspends continues as a task
-    under the timeout. Each synchronous step of the coroutine is shown to the blocking watchdog as `step`, the
-    (tool, method) it belongs to."""
-    if inspect.iscoroutine(awaitable):
+    under the timeout, holding `slot` (when given) until it ends. Each synchronous step of the coroutine is shown to
+    the blocking watchdog as `step`, the (tool, method) it belongs to."""
+    if type(awaitable) is types.CoroutineType:
+        watch = watch_step(*step)  # its first synchronous step (`_advance`, inline: most tools take only this one)
         try:
-            first = _advance(awaitable.send, None, step)
+            first = awaitable.send(None)
         except StopIteration as done:
             return done.value
-        task = asyncio.ensure_future(_resume(awaitable, first, step))
-    else:
-        task = asyncio.ensure_future(awaitable)
+        finally:
+            watch.exit()
+        awaitable = _resume(awaitable, first, step)
+    if slot is not None:
+        try:
+            await slot.acquire()  # the tool waits where it suspended: its own await resumes once it has a slot
+        except BaseException:
+            awaitable.close()
+            raise
+    try:
+        return await _timed(asyncio.ensure_future(awaitable), timeout)
+    finally:
+        if slot is not None:
+            slot.release()
+
+
+async def _timed(task: asyncio.Future, timeout: float) -> Any:
+    """`task`'s result within `timeout` seconds; else it is cancelled, given a short grace, and `_Timeout` raised."""
     try:
         done, _ = await asyncio.wait({task}, timeout=timeout)
     except asyncio.CancelledError:
@@ -570,6 +625,9 @@ def _unpack_call(call: Any) -> tuple[str, dict, str | None]:
 
 def _response_problem(output: Any) -> str | None:
     """Why `output` is not a usable ``(response, reward, metrics)``, or None."""
+    if type(output) is tuple and len(output) == 3 and type(output[0]) is str and type(output[2]) is dict and (
+            type(output[1]) is float and math.isfinite(output[1]) or type(output[1]) is int):
+        return None  # the usual response, told by exact types (the checks below ask the number ABCs)
     if not isinstance(output, tuple | list) or len(output) != 3:
         return f"execute() must return (response, reward, metrics), got {type(output).__name__}"
     response, reward, metrics = output

@@ -138,7 +138,8 @@ class ToolVectorEnv(VectorEnv):
         indices, actions = list(indices), list(actions)
         if len(indices) != len(actions):
             raise ValueError(f"{len(indices)} envs but {len(actions)} actions")
-        results = list(await asyncio.gather(*(self.base_envs[i].astep(a) for i, a in zip(indices, actions))))
+        steps = [self.base_envs[i].astep(a) for i, a in zip(indices, actions)]
+        results = [await steps[0]] if len(steps) == 1 else list(await asyncio.gather(*steps))  # one: no task
         for i, (obs, _, terminated, truncated, _) in zip(indices, results):
             self._obs[i], self._needs_reset[i] = obs, terminated or truncated
         return results
@@ -150,8 +151,8 @@ class ToolVectorEnv(VectorEnv):
         options = list(options) if options is not None else [None] * len(indices)
         if not len(seeds) == len(options) == len(indices):
             raise ValueError(f"{len(indices)} envs but {len(seeds)} seeds and {len(options)} options")
-        results = list(await asyncio.gather(*(
-            self.base_envs[i].areset(seed=s, options=o) for i, s, o in zip(indices, seeds, options))))
+        resets = [self.base_envs[i].areset(seed=s, options=o) for i, s, o in zip(indices, seeds, options)]
+        results = [await resets[0]] if len(resets) == 1 else list(await asyncio.gather(*resets))  # one: no task
         for i, (obs, _) in zip(indices, results):
             self._obs[i], self._needs_reset[i] = obs, False
         return results

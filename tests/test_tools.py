@@ -185,6 +185,21 @@ def test_invalid_arguments_are_validated_against_the_schema(arguments, expected)
     assert result.attempts == 0 and tool.peak == 0  # the tool never ran
 
 
+def test_the_toolbox_checks_arguments_unless_its_tool_s_own_check_accepted_them():
+    """A call the parser checked against the tool's schema is not checked again; one it checked against another
+    schema (or did not check) still is."""
+    call = '<tool_call>{"name": "echo", "arguments": {"text": "hi", "delay": "soon"}}</tool_call>'
+    loose = get_parser("hermes", tools=[schema("echo", {"text": {"type": "string"}})]).parse(call).calls
+    (result,), _ = run_episode([EchoTool()], loose)
+    assert result.error_kind == "invalid_arguments" and "'soon' is not of type 'number'" in result.text
+    (parsed,) = get_parser("hermes", tools=[ECHO_SCHEMA]).parse(call.replace('"soon"', "0")).calls
+    tool = EchoTool()
+    assert parsed.checked_by is tool.validator  # one validator per schema in a process: the parser's is the tool's
+    parsed.arguments["delay"], parsed.checked_by = "soon", None  # changed after the check, and marked so
+    (result,), _ = run_episode([tool], [parsed])
+    assert result.error_kind == "invalid_arguments"
+
+
 def test_parse_errors_become_observations():
     parsed = get_parser("hermes", tools=[ECHO_SCHEMA]).parse(
         '<tool_call>{"name": "echo", "arguments": {"text": 1}}</tool_call><tool_call>{"name": "ech', "length"
