@@ -1,13 +1,15 @@
 """The quickstart's SFT steps on the CPU, alone and beside a busy process, for several thread settings, in one run.
 
-Each candidate is ``THREADS:POLICY`` (POLICY: ``default`` — OpenMP's own, OMP_WAIT_POLICY unset — ``passive`` or
-``active``). For each, a fresh Python process (OpenMP reads its wait policy once, when torch loads it) builds the
-quickstart config's model and demonstrations, runs a few warm-up SFT steps, then times ``--steps`` steps: once with
-nothing else started, once beside ``--busy`` processes that spin (``while True: pass``). The ratio busy / alone is
-what a user sees when something else runs on the machine; the issue's goal is at most about 2x.
+Each candidate is ``THREADS:POLICY`` (POLICY: ``default`` — OpenMP's own, OMP_WAIT_POLICY unset — ``passive``,
+``active``, or ``spin<N>``: GNU OpenMP's GOMP_SPINCOUNT=N, spin that many times, then sleep). For each, a fresh
+Python process (OpenMP reads its settings once, when torch loads it) builds the quickstart config's model and
+demonstrations, runs a few warm-up SFT steps, then times ``--steps`` steps: once with nothing else started, once
+beside ``--busy`` processes that spin (``while True: pass``). Rounds (``--repeats``) go through every candidate in
+turn, so that drifting load from other work falls on all of them; the figures are medians over the rounds. The
+ratio busy / alone is what a user sees when something else runs on the machine; the issue's goal is at most ~2x.
 
     python benchmarks/bench_busy.py                       # writes benchmarks/results/cpu/busy.{json,txt}
-    python benchmarks/bench_busy.py --steps 20 --candidates 1:default 2:passive --out /tmp/busy
+    python benchmarks/bench_busy.py --steps 20 --repeats 1 --candidates 1:default 2:passive --out /tmp/busy
 
 The machine's load from other work is not controlled: the script records ``os.getloadavg()`` before and after, and
 compares settings within this one run (alone and busy measured back to back, per candidate).
@@ -19,13 +21,14 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("default", "passive", "active")
+POLICIES = ("default", "passive", "active", "spin<N>")
 
 
 def parse_args(argv=None):
@@ -33,6 +36,7 @@ def parse_args(argv=None):
     ap.add_argument("--config", default="quickstart.yaml")
     ap.add_argument("--steps", type=int, default=40, help="timed SFT steps per measurement")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over all candidates (medians are reported)")
     ap.add_argument("--busy", type=int, default=1, help="spinning processes beside the busy measurement")
     ap.add_argument("--candidates", nargs="+", default=["2:default", "2:passive", "1:default"],
                     help="THREADS:POLICY, POLICY one of " + ", ".join(POLICIES))
@@ -75,8 +79,10 @@ def time_sft_steps(config: str, threads: int, steps: int, warmup: int) -> dict:
 
 def measure(args, threads: int, policy: str, busy: int) -> dict:
     """One candidate in a fresh process, beside `busy` spinning processes."""
-    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS")}
-    if policy != "default":
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "GOMP_SPINCOUNT")}
+    if policy.startswith("spin"):  # GNU OpenMP (torch's on Linux): spin this many times, then sleep
+        env["GOMP_SPINCOUNT"] = policy.removeprefix("spin")
+    elif policy != "default":
         env["OMP_WAIT_POLICY"] = policy.upper()
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     try:
@@ -98,23 +104,28 @@ def main(argv=None) -> dict:
     candidates = []
     for text in args.candidates:
         threads, _, policy = text.partition(":")
-        if not threads.isdigit() or policy not in POLICIES:
+        if not threads.isdigit() or not (policy in POLICIES or policy.removeprefix("spin").isdigit()):
             raise SystemExit(f"error: candidate {text!r}: expected THREADS:POLICY, POLICY one of {POLICIES}")
         candidates.append((int(threads), policy))
     load_before = os.getloadavg()
+    seconds: dict[tuple, list] = {(c, busy): [] for c in candidates for busy in (0, args.busy)}
+    for round_ in range(1, args.repeats + 1):
+        for threads, policy in candidates:
+            for busy in (0, args.busy):
+                seconds[(threads, policy), busy].append(measure(args, threads, policy, busy)["seconds"])
+            alone, beside = seconds[(threads, policy), 0][-1], seconds[(threads, policy), args.busy][-1]
+            print(f"round {round_} | threads {threads} | {policy:>10} | {args.steps} SFT steps: alone {alone:6.2f}s "
+                  f"| beside {args.busy} busy {beside:6.2f}s", flush=True)
     rows = []
     for threads, policy in candidates:
-        alone = measure(args, threads, policy, busy=0)
-        beside = measure(args, threads, policy, busy=args.busy)
-        rows.append({"threads": threads, "omp_wait_policy": policy, "alone_s": alone["seconds"],
-                     "busy_s": beside["seconds"], "ratio": beside["seconds"] / alone["seconds"]})
-        print(f"threads {threads} | OMP_WAIT_POLICY {policy:>7} | {args.steps} SFT steps: alone "
-              f"{alone['seconds']:6.2f}s | beside {args.busy} busy {beside['seconds']:6.2f}s | "
-              f"x{rows[-1]['ratio']:.2f}", flush=True)
+        alone, beside = (statistics.median(seconds[(threads, policy), b]) for b in (0, args.busy))
+        rows.append({"threads": threads, "policy": policy, "alone_s": alone, "busy_s": beside,
+                     "ratio": beside / alone, "alone_all_s": seconds[(threads, policy), 0],
+                     "busy_all_s": seconds[(threads, policy), args.busy]})
     result = {
         "command": "python " + " ".join([Path(__file__).relative_to(ROOT).as_posix(), *sys.argv[1:]]),
         "commit": _commit(), "device": f"cpu: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
-        "config": args.config, "steps": args.steps, "busy_processes": args.busy,
+        "config": args.config, "steps": args.steps, "busy_processes": args.busy, "repeats": args.repeats,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "rows": rows,
     }
     out = Path(args.out)
@@ -122,9 +133,11 @@ def main(argv=None) -> dict:
     out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"{result['command']}  (commit {result['commit']}, {result['device']})",
              f"load average (1/5/15 min) before {_load(load_before)}, after {_load(result['loadavg_after'])}",
-             f"{args.steps} SFT steps of {args.config}, alone and beside {args.busy} spinning process(es):"]
-    lines += [f"  threads {r['threads']} OMP_WAIT_POLICY {r['omp_wait_policy']:>7}: alone {r['alone_s']:6.2f}s, "
-              f"busy {r['busy_s']:6.2f}s, x{r['ratio']:.2f}" for r in rows]
+             f"{args.steps} SFT steps of {args.config}, alone and beside {args.busy} spinning process(es), median of "
+             f"{args.repeats} rounds (each round: every candidate in turn):"]
+    lines += [f"  threads {r['threads']} {r['policy']:>10}: alone {r['alone_s']:6.2f}s, busy {r['busy_s']:6.2f}s, "
+              f"x{r['ratio']:.2f}   (alone {_list(r['alone_all_s'])}; busy {_list(r['busy_all_s'])})" for r in rows]
+    print("\n".join(lines))
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.txt')}")
     return result
@@ -136,6 +149,10 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _list(xs: list[float]) -> str:
+    return " ".join(f"{x:.2f}" for x in xs)
 
 
 def _load(load: tuple) -> str:

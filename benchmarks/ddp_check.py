@@ -9,7 +9,7 @@ The script launches itself twice: as one plain process (the reference), then und
 (`benchmarks/bench_update.batch_from_lengths`: old logprobs from the model itself, random advantages) and applies
 `trainers.ppo.update` once — every process taking the rows the trainer would give it (whole groups, ``rank::world``,
 one more row on the first process, so the second runs a weight-0 micro-batch slot) — then writes the parameters'
-change and the metrics, combined as the trainer logs them (`trainers.ppo.reduce_metrics`). The optimizer is SGD with
+change and the metrics, combined as the trainer logs them (`trainers.distributed.reduce_metrics`). The optimizer is SGD with
 lr 1, so the change *is* the gradient: Adam's first step is lr·sign(g), blind to a gradient scaled by the number of
 processes. Clipping is off for the same reason. Both runs are compared: the largest parameter difference relative
 to the largest change, and every metric.
@@ -44,7 +44,8 @@ def worker(args) -> None:
     from benchmarks.bench_update import TINY, batch_from_lengths
     from trainers.config import load_config
     from trainers.modeling import PolicyModel, build_causal_lm
-    from trainers.ppo import Models, reduce_metrics, score, update
+    from trainers.distributed import reduce_metrics
+    from trainers.ppo import Models, score, update
 
     torch.backends.cuda.matmul.allow_tf32 = False
     accelerator = Accelerator(cpu=args.device == "cpu")

@@ -8,12 +8,13 @@ import json
 import os
 import shutil
 import signal
+import sys
 
 from safetensors.torch import load_file
 
 from trainers import checkpoints
 from trainers.sft import WarmStart
-from trainers.stopping import entry_point
+from trainers.stopping import entry_point, shown_path
 
 from .test_trainer import metrics, run
 
@@ -59,7 +60,8 @@ def test_a_signal_during_sft_saves_and_the_same_command_continues_to_the_same_re
     saved = out / "checkpoints" / "checkpoint_0"
     assert "SIGINT: stopping after this step with a checkpoint" in printed.err
     assert (f"SIGINT: stopped SFT after step 5 of 6; checkpoint {saved} holds the model and SFT's optimizer: the same "
-            f"command continues SFT from step 6. To continue, run the same command: python trainers/ppo.py "
+            f"command continues SFT from step 6. To continue, run the same command: "
+            f"{shown_path(sys.executable)} trainers/ppo.py "
             f"--set output_dir={out}") in printed.out
     assert checkpoints.problem(saved) is None and [f.path for f in checkpoints.scan(out)] == [saved]
     state = checkpoints.read_state(saved)

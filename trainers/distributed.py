@@ -143,3 +143,43 @@ def peak_memory(device: torch.device) -> dict[str, float]:
         return {}
     return {"perf/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
             "perf/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+
+
+#: metrics that count things: summed over processes (everything else is averaged)
+COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout/failed", "rollout/skipped",
+          "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "val/failed", "grpo/groups",
+          "grpo/zero_variance_groups"}
+COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
+#: metrics that are maxima over the processes (memory per GPU)
+MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "async/staleness_max"}
+
+
+def reduce_metrics(accelerator, metrics: dict) -> dict:
+    """Combine the processes' metrics: counts are summed, maxima (`MAXIMA`) maximised, the rest averaged. Processes
+    may report different keys (e.g. episode end reasons), so the dicts are gathered as objects, not as one tensor."""
+    if accelerator.num_processes == 1:
+        return metrics
+    from accelerate.utils import gather_object
+
+    everyone = gather_object([metrics])
+    out = {}
+    for key in sorted({k for d in everyone for k in d}):
+        values = [float(d[key]) for d in everyone if key in d]
+        if key in MAXIMA:
+            out[key] = max(values)
+        elif key in COUNTS or key.startswith(COUNT_PREFIXES):
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def token_means(accelerator, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, float]:
+    """Per-token statistics of the whole update over every process's tokens (what one process would log for the
+    global batch): one all-reduce of the token-weighted sums, one read."""
+    keys = sorted(sums)
+    t = torch.stack([sums[k] for k in keys] + [torch.as_tensor(tokens, dtype=torch.float64)]).to(accelerator.device)
+    if accelerator.num_processes > 1:
+        t = accelerator.reduce(t, reduction="sum")
+    *values, total = t.tolist()
+    return {k: v / max(total, 1.0) for k, v in zip(keys, values)}

@@ -64,7 +64,7 @@ from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run, read_sft_state
 from trainers.config import Config, load_config
 from trainers.distributed import (FullStateDict, across_processes, forward_passes_everywhere, frozen_reference,
-                                  fsdp_sharding, initialize_root, peak_memory)
+                                  fsdp_sharding, initialize_root, peak_memory, reduce_metrics, token_means)
 from trainers.lora import AdaptersOff, has_adapters
 from trainers.modeling import PolicyModel
 from trainers.recording import Recorder
@@ -428,7 +428,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     out["actor/skipped_updates"] = float(sum(stats.get("actor/skipped_updates", [0.0])))
     out["actor/mini_batches"] = float(optimizer_steps)
     mismatch = logprob_mismatch(batch.replace(old_logprobs=seen)) if seen is not None else {}
-    return {**out, **_token_means(accelerator, token_sums, tokens), **mismatch}
+    return {**out, **token_means(accelerator, token_sums, tokens), **mismatch}
 
 
 def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: float = 1.0):
@@ -573,35 +573,6 @@ def stopped_in_sft(stop: SFTStopped, cfg: Config, accelerator: Accelerator, stat
     return state.summary() | {"sft_steps": state.sft_steps, "stopped_by": signal.Signals(stop.signum).name}
 
 
-#: metrics that count things: summed over processes (everything else is averaged)
-COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout/failed", "rollout/skipped",
-          "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "val/failed", "grpo/groups",
-          "grpo/zero_variance_groups"}
-COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
-#: metrics that are maxima over the processes (memory per GPU)
-MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "async/staleness_max"}
-
-
-def reduce_metrics(accelerator, metrics: dict) -> dict:
-    """Combine the processes' metrics: counts are summed, maxima (`MAXIMA`) maximised, the rest averaged. Processes
-    may report different keys (e.g. episode end reasons), so the dicts are gathered as objects, not as one tensor."""
-    if accelerator.num_processes == 1:
-        return metrics
-    from accelerate.utils import gather_object
-
-    everyone = gather_object([metrics])
-    out = {}
-    for key in sorted({k for d in everyone for k in d}):
-        values = [float(d[key]) for d in everyone if key in d]
-        if key in MAXIMA:
-            out[key] = max(values)
-        elif key in COUNTS or key.startswith(COUNT_PREFIXES):
-            out[key] = sum(values)
-        else:
-            out[key] = sum(values) / len(values)
-    return out
-
-
 # ================================================================================================== helpers
 def _add(stats: dict, key: str, value: float | torch.Tensor) -> None:
     stats.setdefault(key, []).append(value)
@@ -612,17 +583,6 @@ def _read(stats: dict[str, list]) -> dict[str, list[float]]:
     tensors = [v for values in stats.values() for v in values if isinstance(v, torch.Tensor)]
     read = iter(torch.stack(tensors).tolist() if tensors else ())
     return {k: [next(read) if isinstance(v, torch.Tensor) else v for v in values] for k, values in stats.items()}
-
-
-def _token_means(accelerator, sums: dict[str, torch.Tensor], tokens: torch.Tensor) -> dict[str, float]:
-    """Per-token statistics of the whole update over every process's tokens (what one process would log for the
-    global batch): one all-reduce of the token-weighted sums, one read."""
-    keys = sorted(sums)
-    t = torch.stack([sums[k] for k in keys] + [torch.as_tensor(tokens, dtype=torch.float64)]).to(accelerator.device)
-    if accelerator.num_processes > 1:
-        t = accelerator.reduce(t, reduction="sum")
-    *values, total = t.tolist()
-    return {k: v / max(total, 1.0) for k, v in zip(keys, values)}
 
 
 def _out_of_time(cfg: Config, start: float) -> bool:
