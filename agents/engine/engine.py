@@ -88,14 +88,7 @@ class Engine:
     # ------------------------------------------------------------------------------------- API
     def add(self, seq: Sequence) -> None:
         """Queue `seq` (its prompt must leave room in the context: `max_new_tokens` is capped to it)."""
-        room = self.max_context_len - len(seq.prompt)
-        if room < 1:
-            raise ValueError(f"the prompt is {len(seq.prompt)} tokens: no room left in the context of "
-                             f"{self.max_context_len} tokens")
-        seq.max_new_tokens = min(seq.max_new_tokens, room)
-        if seq.generator is None:
-            seed = seq.params.seed
-            seq.generator = random.Random(seed if seed is not None else self._rng.getrandbits(63))
+        seq.fit(self.max_context_len, self._rng)
         self.scheduler.waiting.append(seq)
 
     def busy(self) -> bool:

@@ -55,6 +55,18 @@ class Sequence:
     def finished(self) -> bool:
         return self.outcome is not None
 
+    def fit(self, max_context_len: int, rng: random.Random) -> None:
+        """Made ready for an engine: `max_new_tokens` capped by the room its context leaves (ValueError when none),
+        and a generator seeded by its `SamplingParams.seed`, else drawn from `rng`."""
+        room = max_context_len - len(self.prompt)
+        if room < 1:
+            raise ValueError(f"the prompt is {len(self.prompt)} tokens: no room left in the context of "
+                             f"{max_context_len} tokens")
+        self.max_new_tokens = min(self.max_new_tokens, room)
+        if self.generator is None:
+            seed = self.params.seed
+            self.generator = random.Random(seed if seed is not None else rng.getrandbits(63))
+
     def record(self, token: int, logprob: float) -> bool:
         """Append a sampled token; True when the sequence goes on (no stop token, no limit, not withdrawn)."""
         self.ids.append(token)
