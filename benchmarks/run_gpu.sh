@@ -9,6 +9,7 @@
 #                                        #   -> h200/update, h200/gpu_engine_check
 #   bash benchmarks/run_gpu.sh tests     # 1 GPU: the CUDA tests (engine, Triton attention, HF backend, trainer math)
 #                                        #   -> h200/cuda_tests.txt
+#   bash benchmarks/run_gpu.sh lora7b    # 1 GPU: the 7B shape's LoRA recipe, 4 RL steps -> h200/rl_step_7b_lora
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
@@ -72,8 +73,13 @@ case "${1:-}" in
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
   tests)
     timeout 500 python3 benchmarks/record.py cuda_tests --device cuda -- env MT_ENV_TEST_DEVICE=cuda python3 -m \
-      pytest tests/test_engine.py tests/test_triton_attention.py tests/test_policy_hf.py tests/test_algos.py -q \
+      pytest tests/test_engine.py tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_policy_hf.py \
+      tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
+  lora7b)  # the 7B shape's LoRA recipe, 4 RL steps phase by phase -> h200/rl_step_7b_lora
+    timeout 500 python3 benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 --warmup 1 \
+      --out "${MT_ENV_RESULTS:-benchmarks/results}/h200/rl_step_7b_lora.json" 2>&1 | tail -9
+    echo "bench_rl_step 7b lora rc=${PIPESTATUS[0]}" ;;
   scaling)
     keep_scaling_runs
     timeout 590 python3 benchmarks/bench_scaling.py --work /tmp/bench_scaling --budget 560 \
@@ -94,5 +100,5 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|scaling|fsdp|driver256|ab256" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|lora7b|scaling|fsdp|driver256|ab256" >&2; exit 2 ;;
 esac
