@@ -57,7 +57,6 @@ def main(argv=None):
     record.add_arguments(ap)
     debug_flag(ap)
     args = ap.parse_args(argv)
-    rec = record.start(args, "rollout_host")
     cfg = load_config(args.config, ["device=cpu"])
     if cfg.env.id == "GSM8kTool-v0" and (args.data or not cfg.env.kwargs.get("data_path")):
         cfg.env.kwargs["data_path"] = gsm8k_data(args.data)
@@ -67,6 +66,7 @@ def main(argv=None):
         probe = make_env()
     except MtEnvError as e:
         raise MtEnvError(f"{e}; here: --data path/to/gsm8k") from e
+    rec = record.start(args, "rollout_host")  # once the data is found: a run that cannot start leaves the record
     tasks = TaskSource(probe.unwrapped, seed=cfg.seed)
     rng = random.Random(0)
     answer = [rng.randrange(1000, len(tokenizer) // 2) for _ in range(cfg.rollout.max_new_tokens)]  # no stop token

@@ -130,6 +130,7 @@ class Record:
         self.provenance = dict(command=command(argv), commit=sha, dirty=dirty, device=device_name(device, gpus),
                                load_average=load_average())
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
+        self.written = False
 
     def header(self) -> str:
         dirty = " (with uncommitted changes)" if self.provenance["dirty"] else ""
@@ -137,17 +138,27 @@ class Record:
                 f"device: {self.provenance['device']}; load average {self.provenance['load_average']} at the start\n")
 
     def tee(self) -> Record:
-        """From now on, what this process prints also goes to the log (opened anew: a rerun overwrites it)."""
-        log = self.txt_path.open("w", buffering=1)
+        """From now on, what this process prints also goes to the log. The log is written beside the record as
+        ``<bench>.txt.partial`` and replaces ``<bench>.txt`` at exit only once `write` has run: a run that fails
+        (bad arguments, a crash, a timeout) leaves the current record as it was."""
+        partial = self.txt_path.with_name(self.txt_path.name + ".partial")
+        log = partial.open("w", buffering=1)
         log.write(self.header() + "\n")
         sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
-        atexit.register(log.close)
+
+        def finish() -> None:
+            log.close()
+            if self.written:
+                os.replace(partial, self.txt_path)
+
+        atexit.register(finish)
         return self
 
     def write(self, figures: dict) -> Path:
         """The JSON: the provenance first, then the figures (a figure named like a provenance key is dropped)."""
         report = self.provenance | {k: v for k, v in figures.items() if k not in PROVENANCE}
         self.json_path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        self.written = True
         return self.json_path
 
 
