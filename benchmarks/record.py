@@ -130,7 +130,7 @@ class Record:
         self.provenance = dict(command=command(argv), commit=sha, dirty=dirty, device=device_name(device, gpus),
                                load_average=load_average())
         self.json_path.parent.mkdir(parents=True, exist_ok=True)
-        self.written = False
+        self.written, self.log = False, None
 
     def header(self) -> str:
         dirty = " (with uncommitted changes)" if self.provenance["dirty"] else ""
@@ -139,20 +139,21 @@ class Record:
 
     def tee(self) -> Record:
         """From now on, what this process prints also goes to the log. The log is written beside the record as
-        ``<bench>.txt.partial`` and replaces ``<bench>.txt`` at exit only once `write` has run: a run that fails
-        (bad arguments, a crash, a timeout) leaves the current record as it was."""
-        partial = self.txt_path.with_name(self.txt_path.name + ".partial")
-        log = partial.open("w", buffering=1)
-        log.write(self.header() + "\n")
-        sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)
-
-        def finish() -> None:
-            log.close()
-            if self.written:
-                os.replace(partial, self.txt_path)
-
-        atexit.register(finish)
+        ``<bench>.txt.partial`` and replaces ``<bench>.txt`` on `close` (at exit) only once `write` has run: a run
+        that fails (bad arguments, a crash, a timeout) leaves the current record as it was."""
+        self.partial_path = self.txt_path.with_name(self.txt_path.name + ".partial")
+        self.log = self.partial_path.open("w", buffering=1)
+        self.log.write(self.header() + "\n")
+        sys.stdout, sys.stderr = _Tee(sys.stdout, self.log), _Tee(sys.stderr, self.log)
+        atexit.register(self.close)
         return self
+
+    def close(self) -> None:
+        """End the log; it becomes ``<bench>.txt`` if the run wrote its JSON."""
+        if self.log is not None and not self.log.closed:
+            self.log.close()
+            if self.written:
+                os.replace(self.partial_path, self.txt_path)
 
     def write(self, figures: dict) -> Path:
         """The JSON: the provenance first, then the figures (a figure named like a provenance key is dropped)."""

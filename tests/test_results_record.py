@@ -86,9 +86,26 @@ def test_a_record_holds_the_provenance_first_and_the_log_what_was_printed(tmp_pa
     assert report["commit"] == "0123abc" and report["dirty"] is True and report["tok_s"] == 123.0
     assert report["command"].startswith(Path(sys.executable).name + " ")  # this run's command line, not the figure
     assert report["device"] == record.cpu_name()
+    rec.close()
     log = rec.txt_path.read_text()
     assert log.startswith(f"command: {report['command']}\ncommit: 0123abc (with uncommitted changes)\n")
     assert "tokens/s 123" in log and "tokens/s 123" in console.getvalue()
+
+
+def test_a_run_that_fails_before_its_json_leaves_the_current_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    args = argparse.Namespace(out=str(tmp_path / "run.json"), machine=None)
+    (tmp_path / "run.txt").write_text("the current log\n")
+    failed = record.start(args, "demo")
+    print("error: bad arguments")
+    failed.close()
+    assert (tmp_path / "run.txt").read_text() == "the current log\n" and not (tmp_path / "run.json").exists()
+    rerun = record.start(args, "demo")
+    print("tokens/s 7")
+    rerun.write({"tok_s": 7.0})
+    rerun.close()
+    assert "tokens/s 7" in (tmp_path / "run.txt").read_text() and not rerun.partial_path.exists()
 
 
 def test_out_names_the_json_and_its_log_goes_beside_it(tmp_path, monkeypatch):
