@@ -208,7 +208,8 @@ class HFPolicy(Policy):
                 decoder_layout(self.model)
             except UnsupportedModel as e:
                 if fast_path is True or config.exact:
-                    raise ValueError(f"fast_path=True or exact=True, but the module cannot take it: {e}") from None
+                    raise ValueError(f"{'exact' if config.exact else 'fast_path'}=True, but the module cannot take "
+                                     f"it: {e}") from None
                 reason = f"off: {e}"
             else:
                 if fast_path is True or config.exact or module_device(self.model).type == "cuda":
