@@ -157,8 +157,8 @@ class HFPolicy(Policy):
         fast_path: ``"auto"``: the paged engine (`agents.engine.Engine`) when the module is supported; True: the
             engine, or ValueError; False: the transformers path (`TransformersEngine`). `fast_path_reason` says
             which was taken and why.
-        block_size, kv_blocks, kv_cache_gib, prefix_cache, attention, cuda_graphs, compile, overlap_steps: the
-            engine's `EngineConfig`.
+        block_size, kv_blocks, kv_cache_gib, prefix_cache, attention, cuda_graphs, compile, overlap_steps, exact:
+            the engine's `EngineConfig` (`exact` takes the paged engine on any device, or raises ValueError).
     """
 
     def __init__(self, model: nn.Module, *, max_batch_size: int = 64, gather_window_s: float = 0.002,
@@ -200,16 +200,19 @@ class HFPolicy(Policy):
         if fast_path not in (True, False, "auto"):
             raise ValueError(f"fast_path must be True, False or 'auto', got {fast_path!r}")
         config = EngineConfig(max_seqs=self.max_batch_size, max_context_len=max_context_len, **options)
+        if config.exact and fast_path is False:
+            raise ValueError("exact=True needs the paged engine: fast_path=False cannot go with it")
         reason = "off: fast_path=False"
         if fast_path is not False:
             try:
                 decoder_layout(self.model)
             except UnsupportedModel as e:
-                if fast_path is True:
-                    raise ValueError(f"fast_path=True, but the module cannot take it: {e}") from None
+                if fast_path is True or config.exact:
+                    raise ValueError(f"{'exact' if config.exact else 'fast_path'}=True, but the module cannot take "
+                                     f"it: {e}") from None
                 reason = f"off: {e}"
             else:
-                if fast_path is True or module_device(self.model).type == "cuda":
+                if fast_path is True or config.exact or module_device(self.model).type == "cuda":
                     engine = Engine(self.model, config, vocab_size=self.vocab_size, seed=seed, stats=self.stats)
                     return engine, _describe(engine)
                 reason = (f"off: the module is on {module_device(self.model).type} (fast_path='auto' takes it on CUDA "

@@ -27,19 +27,26 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from agents.compiling import compiled
+from agents.exact import ops, tempered_log_softmax
 
 #: hidden states per chunk: a float32 [chunk, 152k] is ~0.6 GB (what a chunk's backward holds a few of)
 CHUNK_TOKENS = 1024
 
 
 def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    with_entropy: bool = False, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 logprobs of `targets` [N] under ``softmax(logits.float() / temperature)`` (`logits` [N, vocab], any
-    float dtype; `temperature` a number or one per row, [N]), and that distribution's entropy [N] when asked."""
-    if isinstance(temperature, torch.Tensor):
-        temperature = temperature.float()[:, None]
-    z = logits.float() / temperature
-    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+    float dtype; `temperature` a number or one per row, [N]), and that distribution's entropy [N] when asked.
+    `exact`: through `agents.exact.tempered_log_softmax`, as the engine's sampler in exact mode (a temperature of 0
+    counts as 1 there, as for the sampler's greedy rows)."""
+    if exact:
+        per_row = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(len(logits))
+        logp = tempered_log_softmax(logits, torch.where(per_row == 0, 1.0, per_row))
+    else:
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.float()[:, None]
+        z = logits.float() / temperature
+        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
     logprobs = logp.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logprobs, None
@@ -48,24 +55,26 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
 
 def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tensor, *,
                    temperature: float | torch.Tensor = 1.0, vocab_limit: int | None = None,
-                   with_entropy: bool = False,
-                   chunk_tokens: int | None = CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   with_entropy: bool = False, chunk_tokens: int | None = CHUNK_TOKENS,
+                   exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs of `targets` [N] predicted from `hidden` [N, H] through `lm_head` (the module itself, so an adapter
     on it runs), over ids below `vocab_limit`, at `temperature` (a number, or one per row [N], > 0): float32 [N],
     and the entropy [N] when `with_entropy` (else None).
 
     Chunks of `chunk_tokens` hidden states (None: all at once, no recomputation); with gradients on, each chunk is
-    recomputed in backward rather than stored. The values do not depend on the chunking."""
+    recomputed in backward rather than stored. The values do not depend on the chunking. `exact`: exact mode
+    (`agents.exact`): the LM head and the log-softmax batch-invariant, bit for bit the engine's."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(f"token_logprobs wants hidden [N, H] and targets [N], got {tuple(hidden.shape)} and "
                          f"{tuple(targets.shape)}")
     if chunk_tokens is not None and chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
     per_row = isinstance(temperature, torch.Tensor)
-    score = compiled(logits_logprobs) if hidden.is_cuda else logits_logprobs
+    score = compiled(logits_logprobs) if hidden.is_cuda and not exact else logits_logprobs
 
     def chunk(h, t, temp):
-        return score(lm_head(h)[:, :vocab_limit], t, temp, with_entropy)
+        with ops(exact):
+            return score(lm_head(h)[:, :vocab_limit], t, temp, with_entropy, exact)
 
     size = chunk_tokens or max(1, len(hidden))
     if len(hidden) <= size and (chunk_tokens is None or not torch.is_grad_enabled()):

@@ -7,6 +7,7 @@ is masked: no statistic, loss or gradient ever sees a tool or template token.
 
 from __future__ import annotations
 
+import logging
 import typing
 
 import torch
@@ -16,6 +17,7 @@ from .config import KLEstimator, LossAgg
 #: the choices, declared once as the config's `Literal` types
 LOSS_AGG_MODES = typing.get_args(LossAgg)
 KL_ESTIMATORS = typing.get_args(KLEstimator)
+LOG = logging.getLogger("trainers")
 
 
 # --------------------------------------------------------------------------------------------- masked statistics
@@ -218,3 +220,26 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
 def truncated_is_weights(logprobs_trainer: torch.Tensor, logprobs_rollout: torch.Tensor, cap: float = 2.0):
     """Truncated importance-sampling weights min(π_trainer / π_rollout, cap) for engines whose numerics differ."""
     return torch.exp((logprobs_trainer - logprobs_rollout).clamp(max=20.0)).clamp(max=cap).detach()
+
+
+# --------------------------------------------------------------------------------------------- rollout/trainer mismatch
+def logprob_mismatch(batch, exact: bool = False) -> dict:
+    """How far the engine's logprobs of the sampled tokens are from the trainer's recomputation (`batch`: a
+    `mt_env.batch.TrainBatch` with ``old_logprobs``). In exact mode (`exact`) they must be equal:
+    ``mismatch/exact_violations`` counts the tokens that are not, and any is logged as a bug (a warning on the
+    ``trainers`` logger)."""
+    on = batch.loss_mask > 0
+    if not on.any():
+        return {}
+    diff = (batch.old_logprobs - batch.rollout_logprobs)[on].float()
+    out = {"mismatch/exact_violations": float((diff != 0).sum())} if exact else {}
+    diff = diff[torch.isfinite(diff)]
+    ratio = torch.exp(diff.clamp(-20, 20))
+    out.update({"mismatch/logprob_abs_max": diff.abs().max().item(),
+                "mismatch/logprob_abs_mean": diff.abs().mean().item(), "mismatch/ratio_mean": ratio.mean().item(),
+                "mismatch/ratio_max": ratio.max().item(), "mismatch/ratio_min": ratio.min().item()})
+    if exact and out["mismatch/exact_violations"]:
+        LOG.warning("EXACT MODE VIOLATED: %d of %d sampled tokens' rollout logprobs differ from the trainer's (max "
+                    "|diff| %.3g); rollout.exact_logprobs promises bit equality: this is a bug (docs/exact.md)",
+                    out["mismatch/exact_violations"], int(on.sum()), out["mismatch/logprob_abs_max"])
+    return out

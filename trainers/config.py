@@ -155,6 +155,9 @@ class RolloutConfig:
     env_processes: int = option(0, "training episodes' env work in this many processes (agents.rollout_processes); "
                                    "0: in the trainer's process (evaluation always plays there)", ge=0)
     engine_kwargs: dict = option(factory=dict, doc="extra arguments for sglang.Engine / the server client")
+    exact_logprobs: bool = option(False, "hf backend: every sampled token's logprob bit for bit the trainer's "
+                                         "(batch-invariant ops, docs/exact.md); a mismatch is then counted and "
+                                         "logged as a bug")
 
 
 @dataclass
@@ -371,6 +374,9 @@ def validate(cfg: Config, training: bool = True) -> Config:
                               "use kl_mode=loss with GRPO, or algorithm.name=ppo")
     if training and cfg.trainer.async_rollout:
         _check_async(cfg)
+    if r.exact_logprobs and (r.backend != "hf" or cfg.trainer.compile):
+        raise ConfigError("rollout.exact_logprobs needs rollout.backend=hf and trainer.compile=false (the engine and "
+                          "the trainer run the same exact operations, uncompiled)")
     if r.backend == "sglang_server" and not r.server_urls:
         raise ConfigError("rollout.backend=sglang_server needs rollout.server_urls")
     lora = cfg.model.lora

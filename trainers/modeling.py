@@ -16,6 +16,7 @@ import functools
 import torch
 from torch import nn
 
+from agents import exact
 from agents.compiling import compiled
 from agents.logprobs import CHUNK_TOKENS, token_logprobs
 
@@ -74,6 +75,8 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
 SDPA_VARLEN = "sdpa_varlen"
 #: the dtypes flash attention's kernels take; a float32 model's packed rows get the dense block-diagonal mask
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+#: the forward argument that carries exact mode's sequence layout (`agents.exact.Sequences`) to `SDPA_VARLEN`
+EXACT_KWARG = "exact_sequences"
 
 
 def _registered(attn_implementation: str) -> str:
@@ -86,6 +89,10 @@ def _registered(attn_implementation: str) -> str:
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if kwargs.get(EXACT_KWARG) is not None:  # exact mode (`PolicyModel`): the engine's attention function
+            if dropout:
+                raise ValueError(f"exact logprobs need attention dropout 0, the model has {dropout}")
+            return exact.sequence_attention(query, key, value, kwargs[EXACT_KWARG], scaling), None
         if kwargs.get("cu_seq_lens_q") is None or not query.is_cuda:
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
@@ -183,6 +190,27 @@ def _layer_forward_compiled(layer: nn.Module, *args, **kwargs):
     return compiled(_layer_forward)(layer, *args, **kwargs)
 
 
+def _exact_attention(lm: nn.Module) -> bool:
+    """Make `lm` attend through `SDPA_VARLEN` (which runs exact mode's attention when a forward passes the layout),
+    or ValueError for another attention implementation. True."""
+    impl = getattr(lm.config, "_attn_implementation", None)
+    if impl == "sdpa":
+        lm.config._attn_implementation = _registered("sdpa")  # identical to sdpa outside exact mode
+    elif impl != SDPA_VARLEN:
+        raise ValueError(f"exact logprobs need the model's attention implementation 'sdpa', it has {impl!r}")
+    return True
+
+
+def _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids) -> dict:
+    """The backbone's arguments in exact mode: positions, and the sequences' layout for the attention function."""
+    if position_ids is None:
+        real = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        position_ids = (real.cumsum(-1) - 1).clamp(min=0)
+    real = torch.ones_like(input_ids, dtype=torch.bool) if seq_ids is not None or attention_mask is None \
+        else attention_mask.bool()
+    return {"position_ids": position_ids, EXACT_KWARG: exact.sequences(position_ids, real)}
+
+
 def _scored(input_ids: torch.Tensor, loss_mask: torch.Tensor):
     """The hidden states to score, as a boolean [B, L-1] (hidden state t predicts token t+1: those whose next token
     has loss mask 1), and the tokens they predict."""
@@ -207,9 +235,12 @@ class PolicyModel(nn.Module):
     accelerate correct. `self.lm` is the plain HF model, shared (no copy) with the generation backend.
     """
 
-    def __init__(self, lm: nn.Module, vocab_limit: int | None = None, logprob_chunk_tokens: int | None = CHUNK_TOKENS):
+    def __init__(self, lm: nn.Module, vocab_limit: int | None = None, logprob_chunk_tokens: int | None = CHUNK_TOKENS,
+                 exact: bool = False):
         super().__init__()
         self.lm = lm
+        #: exact mode (`agents.exact`): logprobs bit for bit the engine's in exact mode (`_exact_attention` checks)
+        self.exact = _exact_attention(lm) if exact else False
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
         #: trained tokens per LM-head chunk (`agents.logprobs.token_logprobs`; None: all at once)
         self.logprob_chunk_tokens = logprob_chunk_tokens
@@ -221,14 +252,17 @@ class PolicyModel(nn.Module):
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
         backbone = getattr(self.lm, self.lm.base_model_prefix)
-        hidden = backbone(
-            input_ids=input_ids, use_cache=False,
-            **_attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids),
-        ).last_hidden_state
+        if self.exact:
+            kwargs = _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids)
+        else:
+            kwargs = _attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids)
+        with exact.ops(self.exact):
+            hidden = backbone(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
         scored, targets = _scored(input_ids, loss_mask)
         logprobs, entropy = token_logprobs(hidden[:, :-1][scored], self.lm.get_output_embeddings(), targets,
                                            temperature=temperature, vocab_limit=self.vocab_limit,
-                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens)
+                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens,
+                                           exact=self.exact)
         out_lp = _scatter(logprobs, scored, input_ids.shape)
         return out_lp, None if entropy is None else _scatter(entropy, scored, input_ids.shape)
 

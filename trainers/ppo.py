@@ -122,7 +122,8 @@ def main(argv=None) -> dict:
             # 2. OLD / REFERENCE LOGPROBS AND VALUES on the exact ids of the rollout
             reuse = single_update(batch, acc, cfg)  # then the update's own logprobs are the old ones
             batch, score_times = score(batch, run.models, cfg, old=not reuse)
-            metrics.update(score_times, **({} if reuse else logprob_mismatch(batch)))
+            exact = cfg.rollout.exact_logprobs
+            metrics.update(score_times, **({} if reuse else algos.logprob_mismatch(batch, exact)))
 
             # 3. REWARDS and 4. ADVANTAGES
             batch, advantage_stats = estimate_advantages(batch, cfg)
@@ -277,7 +278,7 @@ def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator,
     and, when the loss has a KL term, an unprepared frozen copy of the policy for the reference (FSDP modules
     cannot be copied once sharded). The generator of async mode (`trains` false) needs only the policy."""
     lm, critic_model = make_models(cfg, tokenizer, accelerator.device, critic=trains)
-    policy = PolicyModel(lm, vocab_limit=len(tokenizer))
+    policy = PolicyModel(lm, vocab_limit=len(tokenizer), exact=cfg.rollout.exact_logprobs)
     uses_reference = trains and cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0
     lora = has_adapters(lm)  # then the reference is the policy with its adapters off (`AdaptersOff`): no copy
     reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer)) if uses_reference and not lora else None
@@ -427,7 +428,8 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     out = {k: float(np.mean(v)) for k, v in stats.items()}
     out["actor/skipped_updates"] = float(sum(stats.get("actor/skipped_updates", [0.0])))
     out["actor/mini_batches"] = float(optimizer_steps)
-    mismatch = logprob_mismatch(batch.replace(old_logprobs=seen)) if seen is not None else {}
+    exact = cfg.rollout.exact_logprobs
+    mismatch = algos.logprob_mismatch(batch.replace(old_logprobs=seen), exact) if seen is not None else {}
     return {**out, **token_means(accelerator, token_sums, tokens), **mismatch}
 
 
@@ -497,18 +499,6 @@ def minibatch_count(rows: int, accelerator: Accelerator, cfg: Config) -> int:
     share = cfg.trainer.minibatch_size // accelerator.num_processes
     return int(across_processes(accelerator, max(1, math.ceil(rows / share)), "max"))
 
-
-def logprob_mismatch(batch: TrainBatch) -> dict:
-    """How far the engine's logprobs of the sampled tokens are from the trainer's recomputation."""
-    on = batch.loss_mask > 0
-    if not on.any():
-        return {}
-    diff = (batch.old_logprobs - batch.rollout_logprobs)[on].float()
-    diff = diff[torch.isfinite(diff)]
-    ratio = torch.exp(diff.clamp(-20, 20))
-    return {"mismatch/logprob_abs_max": diff.abs().max().item(), "mismatch/logprob_abs_mean": diff.abs().mean().item(),
-            "mismatch/ratio_mean": ratio.mean().item(), "mismatch/ratio_max": ratio.max().item(),
-            "mismatch/ratio_min": ratio.min().item()}
 
 
 # ================================================================================================== log, evaluate, save

@@ -234,8 +234,9 @@ def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer, weights_changed: b
     if r.backend == "hf":
         from agents.hf_policy import HFPolicy
 
+        exact = {"exact": True} if r.exact_logprobs else {}  # the paged engine, in exact mode
         return HFPolicy(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
-                        vocab_limit=len(tokenizer))
+                        vocab_limit=len(tokenizer), **exact)
     if r.backend == "sglang_engine":
         from agents.sglang_policy import SGLangEnginePolicy
 

@@ -7,6 +7,8 @@ Two kernels, chosen per engine (`EngineConfig.attention`):
   one SDPA call with a mask. For decode, the query heads of one KV head are laid out as that head's queries.
 * ``"triton"`` (CUDA): `agents.engine.triton_attention`, kernels that read the blocks in place — the gather moves
   every attended byte several times per layer (and prefill expands K/V to every query head).
+* ``"exact"`` (exact mode, any device): the positions gathered as for ``"gather"``, then `agents.exact.attention`,
+  the function the trainer's forward uses too; prefill always reads every position back from the cache.
 
 A prefill pass in which no row has a cached prefix attends over its own new K/V with SDPA's causal kernel (flash).
 """
@@ -17,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-KERNELS = ("gather", "triton")
+from .. import exact
+
+KERNELS = ("gather", "triton", "exact")
 #: the SDPA kernels a prefill pass may use: torch's own choice except cuDNN, which builds an execution plan for every
 #: new (rows, width) shape while every decoding row waits (docs/engine.md). Flash attention has no such cost.
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
@@ -35,10 +39,13 @@ def decode_inputs(table: torch.Tensor, at: torch.Tensor, length: int, block_size
                   dtype: torch.dtype) -> tuple:
     """What `decode_attention` needs for rows whose query is at position `at` [rows] (attending to [0, at]), built
     once per step and shared by the layers: ``"gather"``: the flat positions [rows, length] and the additive mask
-    [rows, 1, 1, length]; ``"triton"``: the table, the attended lengths, the block size and `length`."""
+    [rows, 1, 1, length]; ``"triton"``: the table, the attended lengths, the block size and `length`; ``"exact"``:
+    the flat positions and `at`."""
     if kernel == "triton":
         return table, at + 1, block_size, length
     positions = torch.arange(length, device=table.device)
+    if kernel == "exact":
+        return flat_positions(table, positions, block_size), at
     hidden = (positions[None, :] > at[:, None])[:, None, None, :]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=table.device).masked_fill_(hidden, float("-inf"))
     return flat_positions(table, positions, block_size), mask
@@ -54,6 +61,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         table, lengths, block_size, length = attend
         return paged_decode_attention(q, keys, values, table, lengths, scale, block_size, length)
     read_at, mask = attend
+    if kernel == "exact":
+        k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
+        return exact.attention(q[:, :, None], k, v, mask[:, None], mask + 1, scale)[:, :, 0].to(q.dtype)
     rows, heads, dim = q.shape
     kv_heads = keys.shape[1]
     k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
@@ -67,13 +77,16 @@ def prefill_inputs(table: torch.Tensor, starts: torch.Tensor, counts: torch.Tens
     """What `prefill_attention` needs for a pass whose rows have `starts` cached positions and `counts` new ones
     (right-padded to `width`), reading back `read` positions: None when nothing is read back (causal attention
     over the new tokens); ``"gather"``: the flat positions [rows, read] and a boolean mask [rows, 1, width, read];
-    ``"triton"``: the table, starts, counts, block size and `read`."""
+    ``"triton"``: the table, starts, counts, block size and `read`; ``"exact"`` (`read` > 0 always): the flat
+    positions, each query's position [rows, width] and each row's valid length."""
     if not read:
         return None
     if kernel == "triton":
         return table, starts, counts, block_size, read
     keys = torch.arange(read, device=table.device)
     queries = starts[:, None] + torch.arange(width, device=table.device)[None, :]
+    if kernel == "exact":
+        return flat_positions(table.long(), keys, block_size), queries, starts + counts
     visible = (keys[None, None, :] <= queries[:, :, None]) & (keys < (starts + counts)[:, None])[:, None, :]
     return flat_positions(table.long(), keys, block_size), visible[:, None]
 
@@ -89,6 +102,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: t
         table, starts, counts, block_size, read = attend
         return paged_prefill_attention(q, keys, values, table, starts, counts, scale, block_size,
                                        read).reshape(rows, width, -1)
+    if kernel == "exact":
+        read_at, queries, valid = attend
+        k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
+        out = exact.attention(q, k, v, queries, valid, scale).to(q.dtype)
+        return out.transpose(1, 2).reshape(rows, width, -1)
     mask = None
     if attend is not None:
         read_at, mask = attend

@@ -41,6 +41,9 @@ class EngineConfig:
         cuda_graphs: replay decode steps and small prefill passes from CUDA graphs (on CUDA).
         compile: compile the layer functions with Inductor: ``"auto"`` on CUDA only, True also on CPU, False never.
         overlap_steps: launch each decode step before reading the previous step's tokens.
+        exact: exact mode (`agents.exact`, docs/exact.md): each sampled token's logprob equals, bit for bit, the
+            trainer's in exact mode. Attention then runs the ``"exact"`` kernel whatever `attention` says, and the
+            passes run uncompiled (`compile` True is refused).
     """
 
     max_seqs: int = 64
@@ -53,6 +56,7 @@ class EngineConfig:
     cuda_graphs: bool = True
     compile: bool | str = "auto"
     overlap_steps: bool = True
+    exact: bool = False
 
     def __post_init__(self):
         for name in ("max_seqs", "block_size"):
@@ -70,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"attention must be 'auto', 'gather' or 'triton', got {self.attention!r}")
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {self.compile!r}")
+        if self.exact and self.compile is True:
+            raise ValueError("exact mode runs uncompiled: compile=True cannot go with exact=True")
 
     def pool_blocks(self, bytes_per_token: int) -> int:
         """The pool's size in blocks, the null block included, for a model whose KV takes `bytes_per_token`."""

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import exact
 from ..compiling import COMPILE_COUNTS, compiled, progress
 from ..policy import GenerationError
 from .attention import flat_positions, prefill_inputs
@@ -119,8 +120,10 @@ class ModelRunner:
         for key in RUNNER_COUNTERS:
             stats.setdefault(key, 0)
         device = module_device(model)
-        self.compiles = config.compile is True or (config.compile == "auto" and device.type == "cuda")
-        self.kernel = _attention_kernel(config.attention, device, layout.head_dim)
+        self.exact = config.exact
+        self.compiles = not self.exact and (config.compile is True or (config.compile == "auto"
+                                                                         and device.type == "cuda"))
+        self.kernel = "exact" if self.exact else _attention_kernel(config.attention, device, layout.head_dim)
         self._functions = {fn.__name__: compiled(fn) if self.compiles else fn for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.graphs = CudaGraphs(device, stats) if config.cuda_graphs and device.type == "cuda" else None
@@ -274,8 +277,9 @@ class ModelRunner:
         device = s.live.device
         news = [len(r.tokens) - r.cached for r in rows]
         width = prefill_width(max(news), self.max_context_len)
-        read = 0 if not any(r.cached for r in rows) else prefill_width(max(len(r.tokens) for r in rows),
-                                                                        self.max_context_len)
+        # exact mode: every row reads its whole sequence back (one attention path whether a prefix is cached or not)
+        read = 0 if not (self.exact or any(r.cached for r in rows)) else prefill_width(
+            max(len(r.tokens) for r in rows), self.max_context_len)
         key = prefill_graph_key(len(rows), width, read, self.max_context_len) if self._capturing() else None
         if key is not None:
             width, read = key[1], key[2]
@@ -289,12 +293,13 @@ class ModelRunner:
         starts = to_device([r.cached for r in rows], torch.long, device)
         counts = to_device(news, torch.long, device)
         inputs = (ids, starts, counts, slots)
-        if key is None:
-            logits = self._run_prefill(read, *inputs)
-        else:
-            logits = self.graphs.run_prefill(key, inputs, lambda *args: self._prefill_logits(read, *args))
+        with exact.ops(self.exact):
+            if key is None:
+                logits = self._run_prefill(read, *inputs)
+            else:
+                logits = self.graphs.run_prefill(key, inputs, lambda *args: self._prefill_logits(read, *args))
         temperature, uniform, top_k, top_p = sampling.tensors(device)
-        tokens, logprobs = sample_tokens(logits, temperature, uniform, top_k, top_p, sampling.mode)
+        tokens, logprobs = sample_tokens(logits, temperature, uniform, top_k, top_p, sampling.mode, self.exact)
         lengths = starts + counts
         for buffer, value in zip(s.per_slot, (tokens, lengths, torch.ones_like(tokens, dtype=torch.bool),
                                               temperature, top_k, top_p)):
@@ -388,14 +393,14 @@ class ModelRunner:
                            self.kernel)
         logits = head(lay.norm, lay.lm_head, x, self.vocab_size)
         token, logprob = sample_tokens(logits, s.temperature[:rows], s.uniform[:rows], s.top_k[:rows], s.top_p[:rows],
-                                       mode)
+                                       mode, self.exact)
         s.out[:rows, 0] = token
         s.out[:rows, 1] = logprob
         tokens.copy_(torch.where(live, token, tokens))
         lengths.add_(live)
 
     def _run_decode(self, rows: int, length: int, mode: str) -> None:
-        with self._compilations_counted():
+        with self._compilations_counted(), exact.ops(self.exact):
             self._decode(rows, length, mode)
 
     def _warm_up(self, key: tuple[int, int, str]) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..exact import tempered_log_softmax
 from ..policy import SamplingParams
 
 SAMPLING_MODES = ("greedy", "sample", "truncate")
@@ -56,18 +57,23 @@ class RowSampling:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  top_p: torch.Tensor, mode: str, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of float32 `logits` [rows, vocab] and ``log_softmax(logits / T)`` of it.
 
     Rows with ``temperature == 0`` take the argmax (their logprob is ``log_softmax(logits)``); the others sample
     by inverse CDF with their `uniform` number, after their own `top_k` [rows] (vocab = off) and `top_p` [rows]
     (inf = off) in ``"truncate"`` mode. No host synchronisation and no data-dependent shapes: CUDA graphs can
-    capture it. A NaN in a row's logits makes its logprob NaN (the caller checks).
+    capture it. A NaN in a row's logits makes its logprob NaN (the caller checks). `exact`: the log-softmax is
+    `agents.exact.tempered_log_softmax`, the trainer's in exact mode.
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
     greedy = temperature == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    scale = torch.where(greedy, 1.0, temperature)
+    if exact:
+        logprobs = tempered_log_softmax(logits, scale)
+    else:
+        logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
     if mode != "greedy":
         probs = logprobs.exp()

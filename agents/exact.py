@@ -1,0 +1,194 @@
+"""Exact mode's operations: batch-invariant versions of the few operations of a Llama-family decoder whose result for
+one token could depend on what else is in the pass (docs/exact.md). With them, a token's logprob is a function of
+its own sequence's tokens only, bit for bit, whether the engine decodes it over a KV cache, prefills it after a
+cached prefix, or the trainer scores it in a padded or packed micro-batch of any size.
+
+* `linear`: a row's product with the weight in a matmul of ``TILE_ROWS`` rows, always: rows are padded to whole
+  tiles in freshly allocated memory, so every matmul call has the same shape and alignment and a row's reduction
+  order does not depend on how many rows a pass has (a plain matmul picks its blocking, and on a small CPU a split
+  of the reduced dimension over threads, from the row count; tests/test_exact.py checks the tile's invariance).
+* `tree_sum`: sums by pairwise halving with elementwise additions — an order fixed by the reduced length alone
+  (ATen's reductions split the reduced dimension over threads when there are few rows). RMSNorm's mean
+  (`mean_last`), the log-softmax's sum and attention's dot products use it.
+* `silu`: ``x / (1 + exp(-x))`` (ATen's vectorised and scalar sigmoid differ in the last bit: which one an element
+  gets depends on where it falls in the tensor).
+* `attention`: one function for decode, prefill and training: the key axis cut into blocks of ``KEY_BLOCK``
+  positions from the sequence's position 0, an online softmax over them in order; a block a query cannot see
+  changes nothing (its terms are exact zeros and ones), so how many trailing blocks a pass carries does not matter.
+* `tempered_log_softmax`: the logprobs the sampler and the trainer both take.
+
+`ops()` routes a module's ``F.linear``, ``F.silu`` and last-dimension ``mean`` through these while it is active (a
+`TorchFunctionMode`, thread-local): the engine's layer functions and the transformers forward of the trainer then
+run the module's own code — adapters (LoRA) included — with exact operations, with no copy of the model's code.
+The trainer's attention goes through `sequence_attention` (`trainers.modeling` passes the layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+#: rows per matmul call of `linear` (a pass pads its rows to whole tiles)
+TILE_ROWS = 32
+#: key positions per block of `attention`'s online softmax
+KEY_BLOCK = 32
+
+
+def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
+    """The sum over `dim` by pairwise halving (zero-padded to a power of two): the same bits for a row whatever the
+    other dimensions hold."""
+    dim = dim % x.dim()
+    n = x.shape[dim]
+    size = 1 << max(0, n - 1).bit_length()
+    if size != n:
+        shape = list(x.shape)
+        shape[dim] = size - n
+        x = torch.cat([x, x.new_zeros(shape)], dim)
+    while x.shape[dim] > 1:
+        half = x.shape[dim] // 2
+        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+    return x if keepdim else x.squeeze(dim)
+
+
+def mean_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """The mean over the last dimension (RMSNorm's), by `tree_sum`."""
+    return tree_sum(x, -1, keepdim) / x.shape[-1]
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return x / (1 + torch.exp(-x))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose every row is computed in a matmul of `TILE_ROWS` rows (the bias added after)."""
+    rows = x.reshape(-1, x.shape[-1])
+    m = rows.shape[0]
+    padded = -(-m // TILE_ROWS) * TILE_ROWS
+    if m == 0:
+        out = rows @ weight.t()
+    else:  # a fresh allocation: every tile starts at the same alignment
+        tiles = torch.cat([rows, rows.new_zeros(padded - m, rows.shape[1])])
+        wt = weight.t()
+        out = torch.cat([torch.mm(tiles[i:i + TILE_ROWS], wt) for i in range(0, padded, TILE_ROWS)])[:m]
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits.float() / temperature[:, None])`` of `logits` [N, vocab] with a per-row float32
+    `temperature` [N]: the function the engine's sampler and the trainer's logprobs share in exact mode."""
+    z = logits.float().contiguous() / temperature.float()[:, None]
+    shifted = z - z.amax(-1, keepdim=True)
+    return shifted - torch.log(tree_sum(torch.exp(shifted), -1, keepdim=True))
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """Causal attention of queries `q` [S, heads, Tq, d] at positions `q_pos` [S, Tq] over keys/values `k`, `v`
+    [S, kv_heads, Tk, d] whose index is their position, the first `k_len` [S] of them valid: [S, heads, Tq, d].
+    Online softmax over blocks of `KEY_BLOCK` keys from position 0, in float32; a query that sees no key gets 0."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    k, v = k.repeat_interleave(heads // kv_heads, 1).float(), v.repeat_interleave(heads // kv_heads, 1).float()
+    q = q.float()
+    blocks = -(-k.shape[2] // KEY_BLOCK)
+    pad = blocks * KEY_BLOCK - k.shape[2]
+    k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
+    m = q.new_full((*q.shape[:3], 1), torch.finfo(torch.float32).min)
+    total = q.new_zeros((*q.shape[:3], 1))
+    acc = torch.zeros_like(q)
+    offsets = torch.arange(KEY_BLOCK, device=q.device)
+    for j in range(blocks):
+        part = slice(j * KEY_BLOCK, (j + 1) * KEY_BLOCK)
+        scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, part, :], -1) * scale  # [S, heads, Tq, block]
+        keys = j * KEY_BLOCK + offsets
+        visible = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
+        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
+        p = torch.exp(scores - m_new)
+        alpha = torch.exp(m - m_new)
+        total = total * alpha + tree_sum(p, -1, keepdim=True)
+        acc = acc * alpha + tree_sum(p[..., None] * v[:, :, None, part, :], -2)
+        m = m_new
+    return acc / torch.where(total > 0, total, torch.ones_like(total))
+
+
+# --------------------------------------------------------------------------------------------- the trainer's layout
+@dataclass(frozen=True)
+class Sequences:
+    """Where the sequences of a [B, T] batch (padded or packed) lie: `index` [S, L] flat token indices of each
+    sequence's positions 0..L-1 (clamped past its end), `valid` [S, L], `lengths` [S]."""
+
+    index: torch.Tensor
+    valid: torch.Tensor
+    lengths: torch.Tensor
+
+
+def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
+    """The sequences of a batch whose real tokens (`real` [B, T] bool) have `position_ids` [B, T] counting from 0
+    within each sequence (a sequence starts at each real token of position 0); ValueError when they do not."""
+    pos, real = position_ids.reshape(-1), real.reshape(-1).bool()
+    starts = real & (pos == 0)
+    if not bool(starts.any()):
+        raise ValueError("exact attention: no sequence starts at position 0")
+    seq = torch.cumsum(starts.long(), 0) - 1
+    lengths = torch.bincount(seq[real], minlength=int(starts.sum()))
+    offsets = torch.arange(int(lengths.max()), device=pos.device)
+    valid = offsets[None, :] < lengths[:, None]
+    index = (starts.nonzero().squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
+    if not (torch.equal(pos[index[valid]], offsets.expand_as(index)[valid]) and bool(real[index[valid]].all())):
+        raise ValueError("exact attention needs each sequence's real tokens in a run with positions 0, 1, 2, ...")
+    return Sequences(index, valid, lengths)
+
+
+def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Sequences,
+                       scale: float) -> torch.Tensor:
+    """`attention` for transformers' layout: `query` [B, heads, T, d], `key`/`value` [B, kv_heads, T, d], each
+    sequence (`layout`) on its own; returns [B, T, heads, d] (0 on padding), what transformers' attention
+    functions return."""
+    B, heads, T, d = query.shape
+
+    def per_sequence(x):  # [B, h, T, d] -> [S, h, L, d]
+        return x.transpose(1, 2).reshape(B * T, x.shape[1], d)[layout.index].transpose(1, 2)
+
+    S, L = layout.index.shape
+    q_pos = torch.arange(L, device=query.device).expand(S, L)
+    out = attention(per_sequence(query), per_sequence(key), per_sequence(value), q_pos, layout.lengths, scale)
+    flat = out.to(query.dtype).transpose(1, 2)[layout.valid]  # [tokens, heads, d]
+    placed = query.new_zeros(B * T, heads, d).index_put((layout.index[layout.valid],), flat)
+    return placed.reshape(B, T, heads, d)
+
+
+# --------------------------------------------------------------------------------------------- the mode
+class _ExactOps(TorchFunctionMode):
+    """Routes ``F.linear``, ``F.silu`` and a last-dimension ``mean`` to this module's versions (others run as
+    they are; the handler runs with the mode popped, so the functions it calls are the plain ones)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            return linear(*args, **kwargs)
+        if func is F.silu and not kwargs.get("inplace", args[1] if len(args) > 1 else False):
+            return silu(args[0])
+        if func in (torch.Tensor.mean, torch.mean) and _last_dim_mean(args, kwargs):
+            return mean_last(args[0], kwargs.get("keepdim", args[2] if len(args) > 2 else False))
+        return func(*args, **kwargs)
+
+
+def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    x = args[0]
+    if isinstance(dim, (list, tuple)) and len(dim) == 1:
+        dim = dim[0]
+    return isinstance(dim, int) and x.dim() > 0 and dim % x.dim() == x.dim() - 1 and "dtype" not in kwargs
+
+
+def ops(on: bool = True):
+    """A context in which the module's linears, SiLU and RMSNorm's mean run as exact operations (a no-op context
+    when not `on`)."""
+    import contextlib
+
+    return _ExactOps() if on else contextlib.nullcontext()

@@ -1,0 +1,142 @@
+"""What exact mode (``rollout.exact_logprobs``, docs/exact.md) costs: the engine's generation and the trainer's
+old-logprob pass with exact mode off and on, in one process on the same prompts, and the rollout/trainer logprob
+mismatch of each (0.0 in exact mode).
+
+1. Engine: `--batch` prompts of mixed lengths (up to `--prompt`) sampled to `--new-tokens` tokens each through
+   `HFPolicy` (the paged engine; on CUDA compiled and in CUDA graphs when off, uncompiled when on); tok/s = sampled
+   tokens / seconds, the best of `--repeats` after a warm-up.
+2. Trainer: `trainers.ppo.score` over those rollouts (packed, micro-batches of `--micro-tokens` tokens), in tokens of
+   the batch per second, the best of `--repeats`.
+
+Goals (issue 28, H200, 0.5B shape): exact costs <= 1.3x the engine's time and <= 1.2x the update's.
+
+    python benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b            # -> results/h200/exact.json
+    python benchmarks/bench_exact.py --device cpu --model tiny --batch 16 --new-tokens 32 --prompt 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agents.hf_policy import HFPolicy  # noqa: E402
+from agents.policy import SamplingParams  # noqa: E402
+from benchmarks import record  # noqa: E402
+from mt_env.batch import TrainBatch  # noqa: E402
+from trainers import algos  # noqa: E402
+from trainers.config import Config  # noqa: E402
+from trainers.modeling import PolicyModel, build_causal_lm  # noqa: E402
+from trainers.ppo import Models, score  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=4096)
+
+
+def make_model(args, device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.model == "tiny":
+        return build_causal_lm(config=TINY, vocab_size=args.vocab, dtype=dtype).to(device).eval()
+    return build_causal_lm(preset=args.model, dtype=dtype).to(device).eval()
+
+
+def prompts_of(args, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(max(1, args.prompt // 4), args.prompt + 1, (args.batch,), generator=g)
+    return [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lengths]
+
+
+def engine_run(lm, prompts, args, exact: bool):
+    """(best seconds, the turns of the last run) over `--repeats` generations after one warm-up."""
+    params = [SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=i)
+              for i in range(len(prompts))]
+
+    async def main():
+        async with HFPolicy(lm, seed=0, max_batch_size=len(prompts), exact=exact, prefix_cache=False) as policy:
+            best, turns = float("inf"), None
+            for _ in range(args.repeats + 1):
+                start = time.perf_counter()
+                turns = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
+                best = min(best, time.perf_counter() - start)
+            return best, turns
+
+    return asyncio.run(main())
+
+
+def batch_of(prompts, turns, device) -> TrainBatch:
+    rows = [(p + t.ids, [0.0] * len(p) + [1.0] * len(t.ids), [0.0] * len(p) + list(t.logprobs))
+            for p, t in zip(prompts, turns)]
+    B, L = len(rows), max(len(r[0]) for r in rows)
+
+    def pad(values, dtype):
+        out = torch.zeros(B, L, dtype=dtype)
+        for b, v in enumerate(values):
+            out[b, :len(v)] = torch.tensor(v, dtype=dtype)
+        return out.to(device)
+
+    mask, zeros = pad([[1] * len(r[0]) for r in rows], torch.long), torch.zeros(B, L, device=device)
+    return TrainBatch(pad([r[0] for r in rows], torch.long), mask, (mask.cumsum(-1) - 1).clamp(min=0),
+                      pad([r[1] for r in rows], torch.float32), zeros, pad([r[2] for r in rows], torch.float32),
+                      zeros.long(), torch.zeros(B, dtype=torch.long, device=device), torch.arange(B, device=device),
+                      torch.zeros(B, device=device))
+
+
+def trainer_run(lm, batch, args, exact: bool):
+    """(best seconds of the old-logprob pass, the mismatch metrics)."""
+    cfg = Config()
+    cfg.trainer.packed, cfg.trainer.micro_batch_tokens, cfg.rollout.temperature = True, args.micro_tokens, 1.0
+    policy, best = PolicyModel(lm, exact=exact), float("inf")
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        scored, _ = score(batch, Models(policy, None, None), cfg)
+        if batch.input_ids.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return best, algos.logprob_mismatch(scored, exact)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="qwen2.5-0.5b", help="a preset of trainers.modeling.PRESETS, or tiny")
+    ap.add_argument("--vocab", type=int, default=2000, help="tiny: vocabulary size")
+    ap.add_argument("--batch", type=int, default=64, help="prompts generated together")
+    ap.add_argument("--prompt", type=int, default=256, help="longest prompt (they range from a quarter of it)")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--micro-tokens", type=int, default=8192, help="trainer: tokens per packed micro-batch")
+    ap.add_argument("--repeats", type=int, default=2)
+    record.add_arguments(ap)
+    args = ap.parse_args(argv)
+    rec = record.start(args, "exact", device=args.device)
+    device = torch.device(args.device)
+    lm = make_model(args, device)
+    prompts = prompts_of(args, lm.config.vocab_size)
+    figures = {"model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
+               "threads": torch.get_num_threads()}
+    for mode, on in (("off", False), ("on", True)):
+        seconds, turns = engine_run(lm, prompts, args, on)
+        tokens = sum(len(t.ids) for t in turns)
+        batch = batch_of(prompts, turns, device)
+        trainer_s, mismatch = trainer_run(lm, batch, args, on)
+        figures[f"engine_tok_s_{mode}"] = tokens / seconds
+        figures[f"trainer_tok_s_{mode}"] = int(batch.attention_mask.sum()) / trainer_s
+        figures[f"mismatch_abs_max_{mode}"] = mismatch.get("mismatch/logprob_abs_max")
+        print(f"exact {mode:>3}: engine {tokens / seconds:10.1f} tok/s | trainer old-logprob pass "
+              f"{figures[f'trainer_tok_s_{mode}']:10.1f} tok/s | mismatch abs max "
+              f"{figures[f'mismatch_abs_max_{mode}']}")
+    figures["engine_cost_x"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on"]
+    figures["trainer_cost_x"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on"]
+    print(f"exact mode costs {figures['engine_cost_x']:.2f}x the engine's time, {figures['trainer_cost_x']:.2f}x "
+          f"the trainer pass's")
+    rec.write(figures)
+    return figures
+
+
+if __name__ == "__main__":
+    main()

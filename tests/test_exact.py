@@ -1,0 +1,266 @@
+"""Exact mode (`agents.exact`, docs/exact.md): the logprob the engine returns for each sampled token equals, bit for
+bit, the trainer's old-logprob pass over the same ids — padded or packed, in micro-batches of one row or of many,
+whatever other rows shared the engine's passes, with or without a cached prefix — and the sampled token is the one
+the trainer's logits give with the same uniform number. Exact mode off does not give equality on the same shapes
+(so these tests can fail). ``MT_ENV_TEST_DEVICE=cuda`` runs them on a GPU."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from agents import exact
+from agents.engine import EngineConfig
+from agents.engine.sampler import sample_tokens
+from agents.hf_policy import HFPolicy
+from agents.policy import SamplingParams
+from mt_env.batch import TrainBatch
+from trainers import algos
+from trainers.config import Config, ConfigError, validate
+from trainers.modeling import PolicyModel, _exact_kwargs
+from trainers.ppo import Models, score
+
+from .test_policy_hf import DEVICE, one_cpu_thread  # noqa: F401  (one intra-op thread for tiny matmuls)
+
+VOCAB = 96
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, max_position_embeddings=512)
+ENGINE = dict(fast_path=True, compile=False, cuda_graphs=DEVICE == "cuda")
+
+
+def build(arch: str = "qwen2", seed: int = 0):
+    torch.manual_seed(seed)
+    if arch == "qwen3":  # q/k norms
+        return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)).to(DEVICE).eval()
+    return Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(DEVICE).eval()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build()
+
+
+def prompts_of(n: int, seed: int = 1, longest: int = 40) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(1, longest, (n,), generator=g)]
+
+
+def params_of(n: int, temperature: float = 1.0, new: int = 16) -> list[SamplingParams]:
+    return [SamplingParams(temperature=temperature, max_new_tokens=new, seed=i) for i in range(n)]
+
+
+def generate(model, prompts, params, **options):
+    async def main():
+        async with HFPolicy(model, seed=0, **ENGINE, **options) as policy:
+            turns = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
+            return turns, dict(policy.stats)
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def batch_of(prompts, turns) -> TrainBatch:
+    """The rollouts as the trainer collates them: right-padded rows, loss mask on the sampled tokens."""
+    rows = [(p + t.ids, [0.0] * len(p) + [1.0] * len(t.ids), [0.0] * len(p) + list(t.logprobs))
+            for p, t in zip(prompts, turns)]
+    B, L = len(rows), max(len(r[0]) for r in rows)
+
+    def pad(values, dtype):
+        out = torch.zeros(B, L, dtype=dtype)
+        for b, v in enumerate(values):
+            out[b, :len(v)] = torch.tensor(v, dtype=dtype)
+        return out.to(DEVICE)
+
+    mask = pad([[1] * len(r[0]) for r in rows], torch.long)
+    zeros = torch.zeros(B, L, device=DEVICE)
+    return TrainBatch(input_ids=pad([r[0] for r in rows], torch.long), attention_mask=mask,
+                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0), loss_mask=pad([r[1] for r in rows], torch.float32),
+                      rewards=zeros, rollout_logprobs=pad([r[2] for r in rows], torch.float32),
+                      turn_ids=zeros.long(), group=torch.zeros(B, dtype=torch.long, device=DEVICE),
+                      episode=torch.arange(B, device=DEVICE), episode_rewards=torch.zeros(B, device=DEVICE))
+
+
+def trainer_logprobs(policy: PolicyModel, batch: TrainBatch, packed: bool, micro: int, temperature: float = 1.0):
+    """The trainer's old-logprob pass (`trainers.ppo.score`) over the batch."""
+    cfg = Config()
+    cfg.trainer.packed, cfg.trainer.micro_batch_size, cfg.rollout.temperature = packed, micro, temperature
+    return score(batch, Models(policy, None, None), cfg)[0].old_logprobs
+
+
+def assert_exact(policy, batch, temperature=1.0, micros=(1, 3, 100)):
+    on = batch.loss_mask > 0
+    for packed in (False, True):
+        for micro in micros:
+            got = trainer_logprobs(policy, batch, packed, micro, temperature)
+            assert torch.equal(got[on], batch.rollout_logprobs[on]), (packed, micro)
+
+
+# --------------------------------------------------------------------------------------------- bit equality
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_engine_logprobs_equal_the_trainers_bit_for_bit(arch, rows):
+    """Prompts of mixed lengths sampled at several engine batch sizes; the trainer's pass, padded and packed, in
+    micro-batches of 1, 3 and all rows: the same float32 bits for every sampled token."""
+    model = build(arch)
+    prompts = prompts_of(9, seed=rows)
+    temperature = 0.7 if rows == 3 else 1.0
+    turns, _ = generate(model, prompts, params_of(len(prompts), temperature), exact=True, max_batch_size=rows)
+    assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), temperature)
+
+
+def test_exact_mode_off_is_not_bit_equal_on_the_same_shapes(model):
+    """Without exact mode the same rollouts differ from the trainer's pass in the last bits (the engine decodes
+    over a cache with other kernels): the equality above is not a given."""
+    prompts = prompts_of(9, seed=8)
+    turns, _ = generate(model, prompts, params_of(len(prompts)), max_batch_size=8)
+    batch = batch_of(prompts, turns)
+    on = batch.loss_mask > 0
+    got = trainer_logprobs(PolicyModel(model), batch, packed=False, micro=100)
+    assert not torch.equal(got[on], batch.rollout_logprobs[on])
+    assert (got[on] - batch.rollout_logprobs[on]).abs().max() < 1e-4  # the same distribution, to rounding
+
+
+@settings(max_examples=6, deadline=None)
+@given(data=st.data())
+def test_a_rows_bits_do_not_depend_on_which_rows_share_its_passes(model, data):
+    """Any subset of the requests, in any order, at any engine batch size, then the trainer over those rows in any
+    order and micro-batch size: each request's tokens and logprobs are those it gets alone, and the trainer's."""
+    prompts, params = ALONE_PROMPTS, params_of(len(ALONE_PROMPTS), new=10)
+    chosen = data.draw(st.lists(st.sampled_from(range(len(prompts))), min_size=1, max_size=6, unique=True))
+    rows = data.draw(st.integers(1, 6))
+    turns, _ = generate(model, [prompts[i] for i in chosen], [params[i] for i in chosen], exact=True,
+                        max_batch_size=rows)
+    alone = alone_turns(model)
+    for i, turn in zip(chosen, turns):
+        assert turn.ids == alone[i].ids and turn.logprobs == alone[i].logprobs
+    batch = batch_of([prompts[i] for i in chosen], turns)
+    order = torch.tensor(data.draw(st.permutations(range(len(chosen)))), device=DEVICE)
+    micro = data.draw(st.integers(1, len(chosen)))
+    packed = data.draw(st.booleans())
+    got = trainer_logprobs(PolicyModel(model, exact=True), batch[order], packed, micro)
+    on = batch[order].loss_mask > 0
+    assert torch.equal(got[on], batch[order].rollout_logprobs[on])
+
+
+ALONE_PROMPTS = prompts_of(6, seed=5, longest=30)
+_ALONE: dict = {}
+
+
+def alone_turns(model):
+    """Each of `ALONE_PROMPTS` generated alone in exact mode (computed once)."""
+    if not _ALONE:
+        params = params_of(len(ALONE_PROMPTS), new=10)
+        for i, (p, q) in enumerate(zip(ALONE_PROMPTS, params)):
+            _ALONE[i] = generate(model, [p], [q], exact=True, max_batch_size=1)[0][0]
+    return _ALONE
+
+
+def test_a_cached_prefix_changes_no_bit(model):
+    """A conversation's second turn (its first turn's prompt and reply as a prefix) and a group sharing a prompt:
+    with the prefix cache on (prefixes found, not recomputed) and off, the same tokens and logprobs, bit for bit —
+    the trainer's."""
+    first = prompts_of(4, seed=3)
+    turns, _ = generate(model, first, params_of(4), exact=True)
+    second = [p + t.ids + [5, 6, 7] for p, t in zip(first, turns)] + [first[0]] * 3
+    params = params_of(len(second))
+
+    async def both_turns(prefix_cache: bool):
+        async with HFPolicy(model, seed=0, exact=True, prefix_cache=prefix_cache, **ENGINE) as policy:
+            await asyncio.gather(*(policy.generate(p, q) for p, q in zip(first, params_of(4))))
+            out = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(second, params)))
+            return out, dict(policy.stats)
+
+    cached, stats = asyncio.run(both_turns(True))
+    plain, plain_stats = asyncio.run(both_turns(False))
+    assert stats["cached_tokens"] > 0 and plain_stats["cached_tokens"] == 0
+    for a, b in zip(cached, plain, strict=True):
+        assert a.ids == b.ids and a.logprobs == b.logprobs
+    assert_exact(PolicyModel(model, exact=True), batch_of(second, cached), micros=(2,))
+
+
+def test_the_sampled_token_is_the_one_the_trainers_logits_give(model):
+    """In exact mode the trainer's logits at each sampled position, through the sampler with the row's uniform
+    numbers (its seeded generator's draws), give back the engine's token and its logprob."""
+    prompts = prompts_of(5, seed=4)
+    params = [SamplingParams(temperature=0.8, top_p=0.9 if i % 2 else 1.0, max_new_tokens=12, seed=10 + i)
+              for i in range(len(prompts))]
+    turns, _ = generate(model, prompts, params, exact=True)
+    PolicyModel(model, exact=True)  # the module attends through exact mode's attention when given the layout
+    for prompt, turn, p in zip(prompts, turns, params):
+        ids = torch.tensor([prompt + turn.ids], device=DEVICE)
+        with torch.no_grad(), exact.ops():  # the trainer's backbone pass (`PolicyModel.forward`)
+            hidden = model.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
+            logits = model.lm_head(hidden[len(prompt) - 1:-1]).float()
+        n, g = len(turn.ids), random.Random(p.seed)
+        uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
+        full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=DEVICE)  # noqa: E731
+        tokens, logprobs = sample_tokens(logits, full(p.temperature, torch.float32), uniform,
+                                         full(VOCAB, torch.long), full(p.top_p if p.top_p < 1 else float("inf"),
+                                                                        torch.float32), "truncate", exact=True)
+        assert tokens.tolist() == turn.ids and logprobs.tolist() == turn.logprobs
+
+
+# --------------------------------------------------------------------------------------------- the operations
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 80), picks=st.lists(st.integers(0, 79), min_size=1, max_size=20),
+       k=st.sampled_from([7, 64, 100]), bias=st.booleans())
+def test_linear_rows_do_not_depend_on_the_other_rows(m, picks, k, bias):
+    """`exact.linear` of any selection of rows, in any order, equals those rows of the full product."""
+    g = torch.Generator().manual_seed(m)
+    x, w = torch.randn(80, k, generator=g), torch.randn(48, k, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    rows = torch.tensor([p % m for p in picks])
+    assert torch.equal(exact.linear(x[:m][rows], w, b), exact.linear(x[:m], w, b)[rows])
+    torch.testing.assert_close(exact.linear(x[:m], w, b), torch.nn.functional.linear(x[:m], w, b))
+
+
+def test_attention_of_one_query_equals_the_full_pass_and_the_reference():
+    """A decode query over a cache padded with junk beyond its length equals the same query in a causal pass over
+    the whole sequence; both match SDPA to rounding."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 4, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g), \
+        torch.randn(1, 2, 70, 16, generator=g)
+    full = exact.attention(q, k, v, torch.arange(70)[None], torch.tensor([70]), 0.25)
+    junk = torch.cat([k, torch.randn(1, 2, 60, 16, generator=g)], 2), torch.cat([v, torch.randn(1, 2, 60, 16)], 2)
+    for t in (0, 31, 32, 69):
+        one = exact.attention(q[:, :, t:t + 1], *junk, torch.tensor([[t]]), torch.tensor([t + 1]), 0.25)
+        assert torch.equal(one[:, :, 0], full[:, :, t])
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                                                 v.repeat_interleave(2, 1), is_causal=True, scale=0.25)
+    torch.testing.assert_close(full, reference, atol=1e-5, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------- guard and settings
+def test_a_mismatch_in_exact_mode_is_counted_and_logged(model, caplog):
+    prompts = prompts_of(3, seed=6)
+    batch = batch_of(prompts, generate(model, prompts, params_of(3), exact=True)[0])
+    batch = batch.replace(old_logprobs=batch.rollout_logprobs.clone())
+    assert algos.logprob_mismatch(batch, exact=True)["mismatch/exact_violations"] == 0
+    on = (batch.loss_mask > 0).nonzero()[:2]
+    batch.old_logprobs[on[:, 0], on[:, 1]] += 1e-6
+    with caplog.at_level(logging.WARNING, logger="trainers"):
+        metrics = algos.logprob_mismatch(batch, exact=True)
+    assert metrics["mismatch/exact_violations"] == 2 and metrics["mismatch/logprob_abs_max"] > 0
+    assert "EXACT MODE VIOLATED" in caplog.text
+    assert "mismatch/exact_violations" not in algos.logprob_mismatch(batch)
+
+
+def test_settings_that_cannot_be_exact_are_refused(model):
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig(exact=True, compile=True)
+    with pytest.raises(ValueError, match="fast_path=False"):
+        HFPolicy(model, exact=True, fast_path=False)
+    cfg = Config()
+    cfg.model.preset, cfg.rollout.exact_logprobs, cfg.trainer.compile = "qwen2.5-0.5b", True, True
+    with pytest.raises(ConfigError, match="exact_logprobs"):
+        validate(cfg)
+    eager = build()
+    eager.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="attention implementation"):
+        PolicyModel(eager, exact=True)
