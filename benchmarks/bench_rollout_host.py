@@ -1,8 +1,8 @@
-"""The host's share of a training rollout: a recipe's real envs and rollout driver with a policy that answers at once.
+"""The host's share of a training rollout: a recipe's real envs and rollout driver with a backend that answers at once.
 
 Why: on the H200 the smoke recipe's rollout (256 GSM8K episodes) took 1.7-2.1 s, of which the engine was busy only
 1.3-1.8 s; the rest is this process's env work (resets, steps, training samples with their drift check) before the
-first request and after the last turn. With a `ScriptedPolicy` (random ids of the recipe's `max_new_tokens`, no
+first request and after the last turn. With a `ScriptedBackend` (random ids of the recipe's `max_new_tokens`, no
 model) the whole rollout is that work, measured here by itself on any machine.
 
     python benchmarks/bench_rollout_host.py                       # the GSM8K smoke recipe: cpu/rollout_host.json
@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-from agents.policy import SamplingParams  # noqa: E402
+from agents.backend import SamplingParams  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
-from agents.scripted import ScriptedPolicy  # noqa: E402
+from agents.scripted import ScriptedBackend  # noqa: E402
 from benchmarks import record  # noqa: E402
 from envs.gsm8k_tool import DATA_ENV_VAR  # noqa: E402
 from mt_env.errors import MtEnvError  # noqa: E402
@@ -70,9 +70,9 @@ def main(argv=None):
     tasks = TaskSource(probe.unwrapped, seed=cfg.seed)
     rng = random.Random(0)
     answer = [rng.randrange(1000, len(tokenizer) // 2) for _ in range(cfg.rollout.max_new_tokens)]  # no stop token
-    policy = ScriptedPolicy(lambda prompt: answer, vocab_size=len(tokenizer))
+    backend = ScriptedBackend(lambda prompt: answer, vocab_size=len(tokenizer))
     episodes = cfg.rollout.prompts_per_step * cfg.rollout.n
-    driver = rollout_driver(make_env, policy, SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens),
+    driver = rollout_driver(make_env, backend, SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens),
                             processes=cfg.rollout.env_processes, seed=cfg.seed, max_concurrency=episodes)
 
     def rollout(step: int) -> float:
@@ -85,7 +85,7 @@ def main(argv=None):
         rollout(0)  # the env pool, the tokenizer's caches
         seconds = [rollout(1 + i) for i in range(args.rollouts)]
         median = statistics.median(seconds)
-        print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted policy: "
+        print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted backend: "
               f"median {median:.3f} s a rollout ({median / episodes * 1e3:.2f} ms an episode; runs "
               + ", ".join(f"{s:.3f}" for s in seconds) + ")")
         rec.write(dict(config=args.config, episodes=episodes, rollout_s=median, runs_s=seconds))

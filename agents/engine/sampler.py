@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy import SamplingParams
+from ..backend import SamplingParams
 
 SAMPLING_MODES = ("greedy", "sample", "truncate")
 
