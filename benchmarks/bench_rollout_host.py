@@ -8,6 +8,7 @@ model) the whole rollout is that work, measured here by itself on any machine.
     python benchmarks/bench_rollout_host.py                       # the GSM8K smoke recipe: cpu/rollout_host.json
     python benchmarks/bench_rollout_host.py --data path/to/gsm8k  # GSM8K from there
     python benchmarks/bench_rollout_host.py --profile 25          # and the costliest functions of one rollout
+    python benchmarks/bench_rollout_host.py --env-processes 2     # the env work in 2 processes (samples cross pipes)
 
 GSM8K comes from ``--data`` (a directory with train.jsonl, or a jsonl/parquet file), else ``$MT_ENV_GSM8K``, else
 ``../shared/data/gsm8k`` beside this checkout when it is there, else the Hugging Face hub (offline: an error saying
@@ -52,13 +53,16 @@ def main(argv=None):
     ap.add_argument("--config", default="gsm8k_smoke_random_0.5b.yaml")
     ap.add_argument("--data", help="GSM8K: a directory with train.jsonl, or a jsonl/parquet file (see above)")
     ap.add_argument("--rollouts", type=int, default=5, help="timed rollouts (on new tasks each), after one warm-up")
+    ap.add_argument("--env-processes", type=int, metavar="N",
+                    help="the env work in N processes (agents.rollout_processes); default: the recipe's")
     ap.add_argument("--profile", type=int, metavar="N",
                     help="profile one more rollout; print its N costliest functions")
     record.add_arguments(ap)
     debug_flag(ap)
     args = ap.parse_args(argv)
     rec = record.start(args, "rollout_host")
-    cfg = load_config(args.config, ["device=cpu"])
+    overrides = [] if args.env_processes is None else [f"rollout.env_processes={args.env_processes}"]
+    cfg = load_config(args.config, ["device=cpu", *overrides])
     if cfg.env.id == "GSM8kTool-v0" and (args.data or not cfg.env.kwargs.get("data_path")):
         cfg.env.kwargs["data_path"] = gsm8k_data(args.data)
     tokenizer = make_tokenizer(cfg)
@@ -88,7 +92,8 @@ def main(argv=None):
         print(f"{args.config}: {episodes} episodes x {cfg.rollout.max_new_tokens} tokens, scripted backend: "
               f"median {median:.3f} s a rollout ({median / episodes * 1e3:.2f} ms an episode; runs "
               + ", ".join(f"{s:.3f}" for s in seconds) + ")")
-        rec.write(dict(config=args.config, episodes=episodes, rollout_s=median, runs_s=seconds))
+        rec.write(dict(config=args.config, episodes=episodes, env_processes=cfg.rollout.env_processes,
+                       rollout_s=median, runs_s=seconds))
         if args.profile:
             profiler = cProfile.Profile()
             profiler.runcall(rollout, 1 + args.rollouts)
