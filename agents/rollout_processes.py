@@ -39,6 +39,7 @@ import cloudpickle
 import gymnasium as gym
 
 from mt_env.collector import collector_paused
+from mt_env import wire
 from mt_env.errors import portable
 from mt_env.turn import ModelTurn
 
@@ -186,7 +187,7 @@ class _EnvProcess:
         def on_message() -> None:
             try:
                 while not done.done() and self.conn.poll():
-                    self._handle(self.conn.recv(), backend, answers, done, arrived)
+                    self._handle(wire.loads(self.conn.recv_bytes()), backend, answers, done, arrived)
             except (EOFError, OSError):
                 if not done.done():
                     self.process.join(timeout=1)
@@ -380,13 +381,17 @@ def _serve_share(driver: RolloutDriver, backend: RemoteBackend, conn, share: tup
 
 
 async def _play_share(driver: RolloutDriver, backend: RemoteBackend, conn, tasks, ids, step, sampling) -> None:
-    """Play a share, sending each episode's record as it ends (so the pickling, and the driver's process's
-    unpickling, of a share's records is spread over the rollout instead of following its last turn), then the
-    wall-time split as the result (before the event loop is torn down)."""
+    """Play a share, sending each episode's record as it ends (so the encoding, and the driver's process's
+    decoding, of a share's records is spread over the rollout instead of following its last turn; `mt_env.wire`),
+    then the wall-time split as the result (before the event loop is torn down)."""
     loop = asyncio.get_running_loop()
     loop.add_reader(conn.fileno(), backend.on_message)
+
+    def finished(record: EpisodeRecord) -> None:
+        conn.send_bytes(wire.dumps(("finished", record)))
+
     try:
-        _, spent = await driver.play(tasks, ids, step, sampling, on_finished=lambda r: conn.send(("finished", r)))
+        _, spent = await driver.play(tasks, ids, step, sampling, on_finished=finished)
     finally:
         loop.remove_reader(conn.fileno())
     conn.send(("result", dict(spent)))

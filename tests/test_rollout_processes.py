@@ -23,6 +23,7 @@ from agents.rollout import EpisodeState, RolloutDriver, episode_ids
 from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver, RemoteBackend, _EnvProcess, _serve_share
 from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
+from mt_env import wire
 
 from .process_envs import EXITS, FAILS, GoOn, Troubled
 from .test_rollout import expert, fmt, model, one_torch_thread, operands_of, run  # noqa: F401  (its fixtures)
@@ -237,6 +238,10 @@ class RecordedConn:
     def send(self, message):
         self.log.append(("sent", message[0]))
         self.conn.send(message)
+
+    def send_bytes(self, data: bytes):  # an encoded message (`mt_env.wire`): the records
+        self.log.append(("sent", wire.loads(data)[0]))
+        self.conn.send_bytes(data)
 
     def recv(self):
         return self.conn.recv()

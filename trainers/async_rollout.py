@@ -8,7 +8,7 @@ recipe, AReaL and PipelineRL do: one process generates the episodes of step k+1 
 (NCCL on GPUs, gloo on CPU), then hides the launcher's variables from accelerate: each process is a one-process run
 as far as accelerate knows, so the trainer's model is never wrapped in DDP and its collectives (metric reduction,
 gradient clipping) stay local. Everything between the two goes through `Link`: objects (commands, rollouts,
-evaluations) pickled over send/recv, and the weights as one broadcast per parameter tensor, from the trainer's
+evaluations) encoded by `mt_env.wire` over send/recv, and the weights as one broadcast per parameter tensor, from the trainer's
 module into the generator's copy, in place (no files).
 
 **The timeline.** Rank 0 trains: it runs `trainers.ppo`'s loop unchanged, with `RemoteRollouts` as its source of
@@ -55,6 +55,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agents.rollout import RolloutResult
+from mt_env import wire
 
 from .config import Config, ConfigError
 from .setup import TaskSource
@@ -133,12 +134,12 @@ class Link:
         return self.rank == TRAINER
 
     def send(self, message) -> None:
-        dist.send_object_list([message], dst=self.peer)
+        dist.send_object_list([wire.dumps(message)], dst=self.peer)  # its samples encoded compactly
 
     def receive(self):
         box = [None]
         dist.recv_object_list(box, src=self.peer)
-        return box[0]
+        return wire.loads(box[0])
 
     def send_weights(self, module: nn.Module) -> None:
         for tensor in _weights(module):
