@@ -36,6 +36,7 @@ import gymnasium as gym
 from mt_env.collector import collector_paused
 from mt_env.env import ToolEnv
 from mt_env.errors import BudgetError
+from mt_env.info import StepInfo
 from mt_env.sample import Sample
 
 from .backend import Backend, BackendError, SamplingParams
@@ -325,7 +326,7 @@ class RolloutDriver(EpisodeDriver):
                 record.stats, record.messages = base.episode_stats(), conv.messages
 
     async def _turns(self, base: ToolEnv, record: EpisodeRecord, sampling: SamplingParams, seed: int,
-                     clock: _Activity) -> tuple[dict, bool]:
+                     clock: _Activity) -> tuple[StepInfo, bool]:
         """Generate from the conversation's context and step the env until the episode ends; returns the last
         step's info and whether the episode terminated (else it was truncated)."""
         conv = base.conversation

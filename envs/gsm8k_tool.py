@@ -31,6 +31,7 @@ import numpy as np
 
 from mt_env.env import ToolEnv
 from mt_env.errors import MtEnvError, ToolConfigError
+from mt_env.info import ResetInfo
 from mt_env.tool_schema import arguments_validator
 from mt_env.tools import BaseTool
 
@@ -315,7 +316,7 @@ class GSM8kToolEnv(ToolEnv):
     def sample_task(self, rng: np.random.Generator) -> dict:
         return self.rows[int(rng.integers(len(self.rows)))]
 
-    async def areset(self, *, seed: int | None = None, options: dict | None = None):
+    async def areset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, ResetInfo]:
         if options and "index" in options:
             options = dict(options, task=self.rows[int(options["index"]) % len(self.rows)])
         return await super().areset(seed=seed, options=options)

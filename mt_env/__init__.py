@@ -45,7 +45,8 @@ _LAZY = {
     "collate": "mt_env.batch", "TrainBatch": "mt_env.batch", "offline_tokenizer": "mt_env.tokenizer",
     "load_tokenizer": "mt_env.tokenizer", "ToolEnv": "mt_env.env", "ModelTurn": "mt_env.turn",
     "ToolVectorEnv": "mt_env.vector", "BaseTool": "mt_env.tools", "ToolBox": "mt_env.tools",
-    "load_tools": "mt_env.tool_config", "get_parser": "mt_env.parsers",
+    "load_tools": "mt_env.tool_config", "get_parser": "mt_env.parsers", "StepInfo": "mt_env.info",
+    "ResetInfo": "mt_env.info",
 }
 __all__ = ["ENVS", "register_envs", *_LAZY]
 

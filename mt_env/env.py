@@ -22,7 +22,8 @@ Rewards
     Each step returns the tool step rewards of that turn; the last step adds the episode's final reward
     (`final_reward`: by default the tools' ``calc_reward`` plus `answer_reward` of the final answer), also in
     ``info["final_reward"]``. They are recorded once — in the conversation in token mode (which places them on
-    tokens), in the env in text mode — and `episode_stats` (``info["episode"]``) reads them from there.
+    tokens), in the env in text mode — and `episode_stats` (``info["episode"]``) reads them from there. The keys
+    of ``info``: `mt_env.info.StepInfo` (`ResetInfo` for `reset`).
 
 Episode end
     ``terminated``: the model answered without a tool call (and no interaction turn follows), or a tool with
@@ -50,6 +51,7 @@ from .chat_format import ChatFormat, encodable, encodable_value, shared_chat_for
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
+from .info import ResetInfo, StepInfo
 from .parsers import ToolCall, shared_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox, cap_calls
@@ -208,7 +210,7 @@ class ToolEnv(gym.Env):
         """An expert's turns for `task`: assistant texts and tool results, alternating (for SFT warm starts)."""
         raise NotImplementedError(f"{type(self).__name__} has no demonstrations; SFT warm start needs them")
 
-    def success(self, info: Mapping[str, Any]) -> bool:
+    def success(self, info: StepInfo) -> bool:
         """Whether an ended episode counts as solved (for success rates); default: a positive final reward."""
         return float(info.get("final_reward") or 0.0) > 0
 
@@ -217,10 +219,10 @@ class ToolEnv(gym.Env):
         return None
 
     # ----------------------------------------------------------------------------------------- gymnasium API
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, ResetInfo]:
         return self._run(self.areset(seed=seed, options=options))
 
-    def step(self, action):
+    def step(self, action) -> tuple[dict, float, bool, bool, StepInfo]:
         return self._run(self.astep(action))
 
     def close(self):
@@ -246,7 +248,7 @@ class ToolEnv(gym.Env):
         return f"<pre>{html.escape(text)}</pre>"
 
     # ----------------------------------------------------------------------------------------- async API
-    async def areset(self, *, seed: int | None = None, options: dict | None = None):
+    async def areset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, ResetInfo]:
         """Async twin of `reset`, for drivers that run many envs in one event loop.
 
         Options: ``task`` (a task row to play instead of drawing one)."""
@@ -277,10 +279,10 @@ class ToolEnv(gym.Env):
             self.conversation = None
             obs = {"text": _plain(messages), "input_ids": ()}
         self._active = True
-        info = {"messages": messages, "tools": chosen.schemas, "sample_id": chosen.sample_id}
+        info: ResetInfo = {"messages": messages, "tools": chosen.schemas, "sample_id": chosen.sample_id}
         return obs, info
 
-    async def astep(self, action):
+    async def astep(self, action) -> tuple[dict, float, bool, bool, StepInfo]:
         """Async twin of `step`: take the turn, parse it, answer it (its tool calls, or a follow-up), observe the
         answer, and score the episode when it ends."""
         if not self._active:
@@ -327,7 +329,7 @@ class ToolEnv(gym.Env):
         kept = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
         return kept.text, kept.finish_reason
 
-    def _parse(self, text: str, finish: str) -> tuple[Any, dict[str, Any]]:
+    def _parse(self, text: str, finish: str) -> tuple[Any, StepInfo]:
         """The turn's tool calls and parse errors, recorded as the assistant message's parsed view; and the step's
         first info fields."""
         parsed = self._parser.parse(text, finish)
@@ -348,8 +350,9 @@ class ToolEnv(gym.Env):
             self.messages.append(message)
         self._counts["parse_errors"] += len(parsed.errors)
         errors = [{"kind": e.kind, "message": e.message} for e in parsed.errors] if parsed.errors else []
-        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls, "parse_errors": errors,
-                "parse_metrics": parsed.metrics, "unencodable_chars": unencodable}
+        info: StepInfo = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls, "parse_errors": errors,
+                          "parse_metrics": parsed.metrics, "unencodable_chars": unencodable, "messages": [],
+                          "step_reward": 0.0}  # the last two: set when the turn is answered
         return parsed, info
 
     def _end_before_answer(self, finish: str, parsed) -> _End | None:
@@ -365,7 +368,7 @@ class ToolEnv(gym.Env):
             return _End(False, "turn cut by its token limit")
         return None
 
-    async def _run_tools(self, parsed, info: dict) -> tuple[list[dict], float, _End | None]:
+    async def _run_tools(self, parsed, info: StepInfo) -> tuple[list[dict], float, _End | None]:
         """Run the turn's calls (parse errors are answered with their message); returns the tool messages, the
         step reward, and an end if a tool with ``on_error: end_episode`` failed."""
         calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
@@ -417,7 +420,7 @@ class ToolEnv(gym.Env):
         else:
             self._text_rewards.append(reward)
 
-    async def _finish(self, final_text: str, end: _End, info: dict) -> float:
+    async def _finish(self, final_text: str, end: _End, info: StepInfo) -> float:
         """Score the ended episode and release its tools; returns the final reward (also in `info`)."""
         tool_rewards = await self._box.calc_rewards() if self._box is not None else {}
         answer = float(self.answer_reward(self.task, final_text))
