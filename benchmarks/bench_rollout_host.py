@@ -33,7 +33,7 @@ from agents.backend import SamplingParams  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
 from agents.scripted import ScriptedBackend  # noqa: E402
 from benchmarks import record  # noqa: E402
-from envs.gsm8k_tool import DATA_ENV_VAR  # noqa: E402
+from envs.gsm8k.data import DATA_ENV_VAR  # noqa: E402
 from mt_env.errors import MtEnvError  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import TaskSource, env_factory, make_tokenizer  # noqa: E402

@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 #: Gymnasium id -> entry point. `gym.make_vec` defaults to mt_env's `ToolVectorEnv` (pass
 #: ``vectorization_mode="sync"`` for Gymnasium's own `SyncVectorEnv`).
 ENVS = {
-    "GSM8kTool-v0": "envs.gsm8k_tool:GSM8kToolEnv",
+    "GSM8kTool-v0": "envs.gsm8k.env:GSM8kToolEnv",
     "Calculator-v0": "envs.calculator:CalculatorEnv",
 }
 

@@ -7,7 +7,7 @@ text, and, when the env has a tokenizer, as the exact template-delta token ids t
 `mt_env.conversation.Conversation`, so the ids never drift from what the chat template renders).
 
 A task subclasses `ToolEnv` and implements `sample_task` (and usually `answer_reward`; optionally `interaction`).
-See `envs/calculator.py` for a small complete example and `envs/gsm8k_tool.py` for a dataset-backed one.
+See `envs/calculator.py` for a small complete example and `envs/gsm8k/` for a dataset-backed one.
 
 Spaces
     observation: ``Dict(text=Text, input_ids=Sequence(Discrete(vocab)))`` — the *new* text and token ids since

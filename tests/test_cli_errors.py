@@ -28,7 +28,7 @@ def one_line(stderr: str) -> str:
 
 
 @pytest.mark.parametrize("command, status, message", [
-    (["-m", "envs.gsm8k_tool", "--prepare", "/no/such/gsm8k", "--out", "rows.jsonl"], 1,
+    (["-m", "envs.gsm8k.data", "--prepare", "/no/such/gsm8k", "--out", "rows.jsonl"], 1,
      "error: GSM8K data not found at /no/such/gsm8k: pass data_path="),
     ([ROOT / "trainers/export.py", "/no/such/run", "exported"], 2,
      "error: no checkpoint or run directory at /no/such/run"),

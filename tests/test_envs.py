@@ -14,7 +14,9 @@ from gymnasium.utils.env_checker import check_env
 
 import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
-from envs.gsm8k_tool import GSM8kToolEnv, Gsm8kTool, extract_final_answer, make_row
+from envs.gsm8k.data import make_row
+from envs.gsm8k.env import GSM8kToolEnv
+from envs.gsm8k.tool import Gsm8kTool, extract_final_answer
 from mt_env.errors import MtEnvError
 from mt_env.info import ResetInfo, StepInfo, ToolReport
 from mt_env.parsers import HermesParser, ToolCall

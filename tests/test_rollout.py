@@ -17,7 +17,7 @@ from agents.hf_backend import HFBackend
 from agents.rollout import EpisodeState, RolloutDriver
 from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
-from envs.gsm8k_tool import load_rows
+from envs.gsm8k.data import load_rows
 from mt_env.batch import collate
 from mt_env.chat_format import ChatFormat
 from mt_env.parsers import HermesParser, ToolCall
