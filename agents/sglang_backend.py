@@ -5,41 +5,9 @@ SGLang is an optional extra (its wheel pins its own torch and about 10 GB of CUD
 ``pip install "mt-env[sglang]"`` on the GPU machine that serves the model. It is imported only when an engine is
 built. The server client needs only ``httpx``.
 
-What the code below relies on, from SGLang's documentation and source (reference, not copied):
-
-* **Request** — native ``POST /generate`` (docs: https://docs.sglang.io/basic_usage/native_api.html and the
-  ``/generate`` table of https://docs.sglang.io/basic_usage/sampling_params.html) and ``Engine.async_generate``
-  (``python/sglang/srt/entrypoints/engine.py``) take the same fields (``io_struct.py::GenerateReqInput``):
-  ``input_ids`` (one list of ints = one request), ``sampling_params`` (``max_new_tokens``, ``temperature`` with 0 =
-  greedy, ``top_p``, ``top_k`` with -1 = off, ``stop_token_ids``; recent versions also ``sampling_seed``) and
-  ``return_logprob``. Servers fill missing sampling fields from the model's ``generation_config.json``
-  (``--sampling-defaults model``), so every field is sent explicitly.
-* **Response** — one dict per request. ``meta_info["output_token_logprobs"]`` is a list of
-  ``[logprob, token_id, token_text_or_null]``, one per sampled token; ``meta_info["finish_reason"]`` is
-  ``{"type": "stop", "matched": <id or string>}``, ``{"type": "length", "length": n}`` or
-  ``{"type": "abort", "message": ...}`` (the ``to_json`` of ``FINISH_MATCHED_TOKEN`` / ``FINISH_LENGTH`` /
-  ``FINISH_ABORT`` in ``python/sglang/srt/managers/schedule_batch.py``); recent versions add ``output_ids`` (the
-  same ids) next to ``text``; ``meta_info`` also carries ``prompt_tokens``, ``completion_tokens``,
-  ``cached_tokens``, ``e2e_latency`` (``tokenizer_manager.py``).
-* **Stopping** — the matched stop token is part of the output ids and logprobs (the request's finished length
-  counts it). SGLang also stops on the model's own EOS ids, besides ``stop_token_ids``
-  (``Req._check_token_based_finish``); ``ignore_eos`` would disable both, so it is not used.
-* **Logprobs** — by default SGLang reports ``log(softmax(logits / T))`` before top-p/top-k, and greedy requests run
-  as ``top_k=1`` at ``T=1``, i.e. the raw logits' log-softmax (``python/sglang/srt/layers/sampler.py``): mt_env's
-  convention (`agents.backend`). Leave ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset on the servers: it switches to
-  logprobs before the temperature.
-* **Seeds** — ``sampling_seed`` is honoured by recent SGLang, reproducibly only with deterministic inference
-  (https://docs.sglang.io/advanced_features/deterministic_inference.html); older servers reject the field: build
-  the backend with ``send_seed=False`` there.
-* **Weight sync** — HTTP: ``POST /update_weights_from_disk`` ``{"model_path", "load_format"?}`` answering
-  ``{"success", "message", ...}``, ``/release_memory_occupation`` and ``/resume_memory_occupation`` ``{"tags"?}``,
-  ``/flush_cache``, ``GET /health`` (``python/sglang/srt/entrypoints/http_server.py``). Engine: its control methods
-  are synchronous wrappers that run ``loop.run_until_complete`` on the engine's loop, which cannot be called from
-  a running event loop; so the engine backend awaits the same ``engine.tokenizer_manager`` coroutines they wrap
-  (``update_weights_from_tensor``, ``update_weights_from_disk``, ``release_memory_occupation``,
-  ``resume_memory_occupation``, ``flush_cache``), as RL frameworks embedding SGLang do.
-
-How to start servers and point mt_env at them: ``docs/sglang.md``.
+The request and response fields, stop and logprob conventions, seeds and weight-sync calls this code relies on,
+with where SGLang defines them: docs/sglang.md ("The protocol, as mt_env reads it").
+How to start servers and point mt_env at them: docs/sglang.md.
 """
 
 from __future__ import annotations

@@ -17,12 +17,10 @@ or name — SFT and RL read the same fields:
 ``episode_rewards``    [B]      each sample's episode return
 =====================  =======  ===================================================================================
 
-The trainer adds what it computes per token — ``old_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
-``returns`` — to the same batch (`TrainBatch.replace`), so that one row selection (``batch[rows]``) is a mini- or
-micro-batch of everything, as in CleanRL's flattened batch.
-
-`pack` lays a (micro-)batch's rows end to end in one row without padding, for a model that attends
-block-diagonally (``seq_ids``); `Packed.unpack` puts per-token results back in the ``[B, L]`` layout.
+The trainer adds what it computes per token (``old_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
+``returns``) to the same batch (`TrainBatch.replace`): one row selection (``batch[rows]``) is a mini- or micro-batch
+of everything, as in CleanRL's flattened batch. `pack` lays a (micro-)batch's rows end to end in one row without
+padding, for a model that attends block-diagonally (``seq_ids``); `Packed.unpack` puts results back in ``[B, L]``.
 """
 
 from __future__ import annotations

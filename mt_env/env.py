@@ -9,28 +9,14 @@ text, and, when the env has a tokenizer, as the exact template-delta token ids t
 A task subclasses `ToolEnv` and implements `sample_task` (and usually `answer_reward`; optionally `interaction`).
 See `envs/calculator.py` for a small complete example and `envs/gsm8k/` for a dataset-backed one.
 
-Spaces
-    observation: ``Dict(text=Text, input_ids=Sequence(Discrete(vocab)))`` — the *new* text and token ids since
-        the last observation (the whole prompt after `reset`; in ``per_turn`` mode, where each turn starts a new
-        sample, the whole new context). The model's next prompt is always ``env.conversation.context_ids``.
-        Without a tokenizer ``input_ids`` is empty and ``text`` holds the new messages as ``role: content``
-        blocks; the messages themselves are in ``info["messages"]``.
-    action: with a tokenizer, ``Dict(token_ids=Sequence(Discrete(vocab)), finish_reason=Discrete(3))`` (0 stop,
-        1 length, 2 abort); without, ``Text``. `step` also accepts a `ModelTurn`, a ``str`` or a list of ids.
-
-Rewards
-    Each step returns the tool step rewards of that turn; the last step adds the episode's final reward
-    (`final_reward`: by default the tools' ``calc_reward`` plus `answer_reward` of the final answer), also in
-    ``info["final_reward"]``. They are recorded once — in the conversation in token mode (which places them on
-    tokens), in the env in text mode — and `episode_stats` (``info["episode"]``) reads them from there. The keys
-    of ``info``: `mt_env.info.StepInfo` (`ResetInfo` for `reset`).
-
-Episode end
-    ``terminated``: the model answered without a tool call (and no interaction turn follows), or a tool with
-    ``on_error: end_episode`` failed. ``truncated``: the turn limit, the token budget, an aborted generation, or a
-    turn cut by its token limit without a tool call (see ``length_cut``).
-    Stepping an ended episode raises `gymnasium.error.ResetNeeded`. Tools are released at the end of an episode,
-    on `reset` mid-episode and on `close`.
+Spaces: observations are ``Dict(text, input_ids)`` — the *new* text and token ids since the last one (the model's
+next prompt is always ``env.conversation.context_ids``); an action is one model turn — ``Dict(token_ids,
+finish_reason)`` with a tokenizer, ``Text`` without (`step` also takes a `ModelTurn`, a ``str`` or a list of ids).
+Rewards: each step's tool rewards; the last step adds the final reward (``info["final_reward"]``). ``terminated``:
+the model answered without a tool call, or a tool with ``on_error: end_episode`` failed; ``truncated``: the turn
+limit, the token budget, an aborted generation or a turn cut by its token limit. The keys of ``info``:
+`mt_env.info.StepInfo` (`ResetInfo` for `reset`). Stepping an ended episode raises `gymnasium.error.ResetNeeded`;
+tools are released when an episode ends, on `reset` mid-episode and on `close`. Each in full: docs/envs.md.
 """
 
 from __future__ import annotations

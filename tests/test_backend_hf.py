@@ -21,7 +21,7 @@ VOCAB = 512
 DEVICE = os.environ.get("MT_ENV_TEST_DEVICE", "cpu")  # e.g. "cuda" to run these tests on a GPU
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 #: HFBackend arguments of each path: the fast path forced on (CUDA graphs where there is CUDA; its decode step not
-#: compiled: these tests are about scheduling, tests/test_fast_decode.py runs the compiled step), transformers' forward
+#: compiled: these tests are about scheduling, tests/test_engine.py runs the compiled step), transformers' forward
 PATHS = {"fast": dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False),
          "transformers": dict(fast_path=False)}
 
