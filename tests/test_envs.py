@@ -284,7 +284,7 @@ def test_token_budget_truncates(qwen25):
 
 
 # --------------------------------------------------------------------------------------------- GSM8K
-def test_gsm8k_tool_scores_penalizes_repeats_and_interaction_asks_again():
+def test_calc_gsm8k_reward_scores_penalizes_repeats_and_interaction_asks_again():
     row = make_row("Tom has 3 apples and buys 4 more. How many?", "3+4=7\n#### 7", 0)
     env = GSM8kToolEnv(data_path=gsm8k_dir(), interaction=True)
     obs, info = env.reset(options={"task": row})
