@@ -1,29 +1,22 @@
-"""Inductor compilation of the fast path's decode-step functions (`agents.fast_decode`), with an eager fallback;
+"""Inductor compilation of the fast path's decode-step functions (`agents.engine`), with an eager fallback;
 the trainer compiles its per-token logprob and entropy function the same way (`agents.logprobs`).
 
-Why: a decode step of a 24-layer decoder run op by op launches about 1,200 small kernels (transformers' RMSNorm,
-RoPE, residual adds and SiLU x mul, each a few unfused kernels); replayed from a CUDA graph each still costs ~2 us.
-`torch.compile` with Inductor fuses them into a few kernels per layer. How it is used:
+`torch.compile` with Inductor fuses each layer's many small kernels into a few. What it relies on:
 
 * **Default mode**: Inductor emits kernels and no CUDA graphs of its own, so the engine captures the compiled
   step in its own graphs (per batch and length bucket).
-* **One compilation for every layer and bucket**: the functions take the layer module as an argument (dynamo
-  inlines ``nn.Module`` calls and lifts their parameters to graph inputs, so all layers share one compiled graph)
-  and are compiled with dynamic shapes (rows and attended length are symbolic). Dynamo still specializes a few
-  sizes: one row, and a slice that spans a whole dimension (a length bucket equal to the cache length) get their
-  own compilation.
-* **Process-wide**: dynamo caches compiled code per function, so every engine (and every model of the same
-  architecture and dtype) reuses it. `COMPILE_COUNTS` counts compilations and their seconds; engines report the
-  difference over their own calls.
-* **Eager fallback**: a function whose compilation fails (no C++ compiler for Inductor on CPU, no Triton, an
-  unsupported op) runs eagerly from then on; `Compiled.failure` says why. Inductor's own log records are dropped
-  on the thread while it compiles for us (`_QUIET`): a failure would otherwise dump its IR, hundreds of lines at
-  CRITICAL, for an outcome the failure reason already reports. Other threads' compilations log as usual.
-* Inductor's ``emulate_precision_casts``: bf16 intermediates are rounded where eager rounds them, so compiled steps
-  stay as close as possible to the module's own forward.
-* **A prompt exit**: Inductor compiles in a pool of worker processes behind a sidecar process, and its exit hook
-  waits up to 300 s for that sidecar to exit. From the first compilation on, `stop_compile_workers` runs at exit
-  first: it gives the pool `COMPILE_WORKERS_STOP_S` to stop, then kills the sidecar.
+* **One compilation for every layer and bucket**: the functions take the layer module as an argument (so all
+  layers share one compiled graph) and are compiled with dynamic shapes; dynamo still specializes a few sizes.
+* **Process-wide**: dynamo caches compiled code per function, so every engine reuses it. `COMPILE_COUNTS` counts
+  compilations and their seconds; engines report the difference over their own calls.
+* **Eager fallback**: a function whose compilation fails (no C++ compiler, no Triton, an unsupported op) runs
+  eagerly from then on; `Compiled.failure` says why, and Inductor's log records on the compiling thread are
+  dropped (`_QUIET`).
+* ``emulate_precision_casts``: bf16 intermediates are rounded where eager rounds them.
+* **A prompt exit**: from the first compilation on, `stop_compile_workers` runs at exit before Inductor's own hook:
+  it gives the worker pool `COMPILE_WORKERS_STOP_S` to stop, then kills its sidecar.
+
+Why, and the details of each point: docs/engine.md ("Inductor compilation").
 """
 
 from __future__ import annotations
@@ -129,7 +122,7 @@ def compiled(fn: Callable) -> Compiled:
 
 def _recompile_room():
     """Dynamo's recompile limit raised to `RECOMPILE_LIMIT` for one call (unless it is that high already). The
-    patch object is made once: making one costs ~2 ms, which every eager step of every layer would pay."""
+    patch object is made once: making one is slow enough that every eager step of every layer would feel it."""
     global _ROOM
     limits = torch._dynamo.config
     name = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"

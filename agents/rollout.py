@@ -1,18 +1,18 @@
-"""The asynchronous multi-turn rollout: many episodes in flight against one policy, each its own state machine.
+"""The asynchronous multi-turn rollout: many episodes in flight against one backend, each its own state machine.
 
     PENDING ──reset──▶ RUNNING ──turn with tool calls──▶ TOOL_CALLING ──tools returned──▶ RUNNING ─ … ─▶
         COMPLETED (terminated) | TRUNCATED (turn limit, token budget, aborted generation) | FAILED (an error)
 
 Every episode is a coroutine that drives one env through its public Gymnasium API (`areset` / `astep`, the async
-twins) and asks the policy for the next turn the moment its tools return — there is no lockstep across episodes:
-a short episode finishes while a long one is still generating, and the policy batches whatever requests are in
+twins) and asks the backend for the next turn the moment its tools return — there is no lockstep across episodes:
+a short episode finishes while a long one is still generating, and the backend batches whatever requests are in
 flight. The driver tags each finished episode's samples with its group and episode (`RolloutResult.samples`), ready
 for `mt_env.batch.collate`.
 
 Failure isolation: an exception inside one episode (a tool, the parser, a generation error, a timeout) marks it
 FAILED with the reason; the other episodes go on. A failed episode's tokens stay in the batch with loss mask 0 and
 it is counted — never silently dropped. A prompt longer than the token budget is skipped and counted
-(``rollout/skipped``). A policy that dies (`PolicyError`) fails the whole rollout with that error, at once.
+(``rollout/skipped``). A backend that dies (`BackendError`) fails the whole rollout with that error, at once.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ import gymnasium as gym
 from mt_env.collector import collector_paused
 from mt_env.env import ToolEnv
 from mt_env.errors import BudgetError
+from mt_env.info import StepInfo
 from mt_env.sample import Sample
 
-from .policy import Policy, PolicyError, SamplingParams
+from .backend import Backend, BackendError, SamplingParams
 
 
 class EpisodeState(enum.StrEnum):
@@ -83,7 +84,7 @@ class EpisodeRecord:
     #: per tool call answered, in order: the env's ``info["tool_results"]`` entries (name, call_id, error,
     #: error_kind, duration_s, reward, metrics): what the messages do not say about a call
     tool_results: list[dict] = field(default_factory=list)
-    generation_s: float = 0.0  #: time this episode spent waiting for the policy
+    generation_s: float = 0.0  #: time this episode spent waiting for the backend
     tool_s: float = 0.0  #: time it spent in env steps (tools, parsing, conversation bookkeeping)
     finished_at: float = 0.0  #: seconds since the rollout started
     samples: list[Sample] = field(default_factory=list, repr=False)
@@ -203,12 +204,12 @@ class EpisodeDriver(abc.ABC):
 
 
 class RolloutDriver(EpisodeDriver):
-    """Runs episodes of one env type against one policy.
+    """Runs episodes of one env type against one backend.
 
     Args:
         env: a callable returning a fresh env, or a registered Gymnasium id (with `env_kwargs`). The env must have
-            a tokenizer (token-in/token-out) — the driver sends the conversation's `context_ids` to the policy.
-        policy: the generation backend.
+            a tokenizer (token-in/token-out) — the driver sends the conversation's `context_ids` to the backend.
+        backend: the generation backend.
         sampling: sampling parameters; ``max_new_tokens`` is per turn and further capped by each episode's budget.
             The env's end-of-turn token is added to the stop tokens.
         max_concurrency: episodes in flight at once (= envs in the pool).
@@ -223,11 +224,11 @@ class RolloutDriver(EpisodeDriver):
             extra checks (one per turn) would compete with it for the interpreter lock: off by default.
     """
 
-    def __init__(self, env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
+    def __init__(self, env: Callable[[], gym.Env] | str, backend: Backend, sampling: SamplingParams | None = None, *,
                  env_kwargs: dict | None = None, max_concurrency: int = 256, generation_timeout_s: float | None = 600,
                  seed: int = 0, progress: bool = False, precheck_drift: bool = False):
         self.make_env = (lambda: gym.make(env, **(env_kwargs or {}))) if isinstance(env, str) else env
-        self.policy = policy
+        self.backend = backend
         self.sampling = sampling or SamplingParams()
         self.max_concurrency = max_concurrency
         self.generation_timeout_s = generation_timeout_s
@@ -266,7 +267,7 @@ class RolloutDriver(EpisodeDriver):
                 async with asyncio.TaskGroup() as group:
                     for record in records:
                         group.create_task(one(record))
-        except BaseExceptionGroup as eg:  # a dead policy, or an env that cannot be created: raise it as it is
+        except BaseExceptionGroup as eg:  # a dead backend, or an env that cannot be created: raise it as it is
             raise first_error(eg) from None
         finally:
             self._pool = [free.get_nowait() for _ in range(free.qsize())]
@@ -312,7 +313,7 @@ class RolloutDriver(EpisodeDriver):
             record.success, record.end_reason = base.success(info), info.get("end_reason")
             record.enter(EpisodeState.COMPLETED if terminated else EpisodeState.TRUNCATED)
             record.samples = conv.samples()
-        except PolicyError:
+        except BackendError:
             raise
         except Exception as e:  # isolate: this episode fails, the others go on
             record.error = str(e) if isinstance(e, _GenerationTimeout) else f"{type(e).__name__}: {e}"
@@ -325,7 +326,7 @@ class RolloutDriver(EpisodeDriver):
                 record.stats, record.messages = base.episode_stats(), conv.messages
 
     async def _turns(self, base: ToolEnv, record: EpisodeRecord, sampling: SamplingParams, seed: int,
-                     clock: _Activity) -> tuple[dict, bool]:
+                     clock: _Activity) -> tuple[StepInfo, bool]:
         """Generate from the conversation's context and step the env until the episode ends; returns the last
         step's info and whether the episode terminated (else it was truncated)."""
         conv = base.conversation
@@ -338,9 +339,9 @@ class RolloutDriver(EpisodeDriver):
             with clock.during("generation", record):
                 try:
                     async with asyncio.timeout(self.generation_timeout_s) as limit:
-                        generated = await self.policy.generate(conv.context_ids, params)
+                        generated = await self.backend.generate(conv.context_ids, params)
                 except TimeoutError:
-                    if not limit.expired():  # the policy's own (a server client's, say): the episode fails with it
+                    if not limit.expired():  # the backend's own (a server client's, say): the episode fails with it
                         raise
                     raise _GenerationTimeout(f"generation timed out after {self.generation_timeout_s}s") from None
             record.finish_reasons.append(generated.finish_reason)
@@ -371,9 +372,9 @@ def episode_ids(groups: int, n: int) -> list[EpisodeId]:
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException:
-    """The error a rollout raises for the errors of its concurrent parts: a dead policy's (`PolicyError`) first, as
+    """The error a rollout raises for the errors of its concurrent parts: a dead backend's (`BackendError`) first, as
     it is, else the first."""
-    return (group.subgroup(PolicyError) or group).exceptions[0]
+    return (group.subgroup(BackendError) or group).exceptions[0]
 
 
 class RolloutProgress:

@@ -5,13 +5,13 @@ training samples — is Python, and in one process it shares one interpreter loc
 thread: while the event loop steps hundreds of envs, the engine waits to launch its next step, and the episodes'
 work at a turn boundary (when many turns end together) is done one after another. `ProcessRolloutDriver` splits the
 episodes over `processes` env processes, each running a `RolloutDriver` over its share with the envs it owns; their
-policy is a `RemotePolicy` that sends each turn's context ids here, where the real policy (e.g. `HFPolicy`, which
+backend is a `RemoteBackend` that sends each turn's context ids here, where the real backend (e.g. `HFBackend`, which
 needs the trainer's module) generates and the ModelTurn goes back (with the others settled at the same moment, e.g.
 a turn boundary's, in one message). This process then only forwards token ids.
 
 What stays the same as one `RolloutDriver` with the same seed: every episode's seed, sampling seeds, records,
 samples and metrics (the engine's tokens depend only on each request's own seed), the failure rules (an episode
-that fails is kept, untrainable; a `PolicyError` — the engine died — fails the whole rollout), generation timeouts
+that fails is kept, untrainable; a `BackendError` — the engine died — fails the whole rollout), generation timeouts
 and cancellation (a share that fails cancels the others at once). Differences: the env must be picklable by
 cloudpickle (a registered Gymnasium id, a class, a function or lambda that builds one; else a TypeError says so);
 `time/*` is the mean of the processes' splits; and a process that dies fails the rollout with its exit code. The
@@ -39,10 +39,11 @@ import cloudpickle
 import gymnasium as gym
 
 from mt_env.collector import collector_paused
+from mt_env import wire
 from mt_env.errors import portable
 from mt_env.turn import ModelTurn
 
-from .policy import Policy, SamplingParams
+from .backend import Backend, SamplingParams
 from .rollout import EpisodeDriver, EpisodeId, EpisodeRecord, RolloutDriver, first_error
 
 
@@ -58,18 +59,18 @@ class ProcessRolloutDriver(EpisodeDriver):
         max_concurrency: episodes in flight at once over all processes (each has its share of it).
     """
 
-    def __init__(self, env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
+    def __init__(self, env: Callable[[], gym.Env] | str, backend: Backend, sampling: SamplingParams | None = None, *,
                  processes: int, env_kwargs: dict | None = None, max_concurrency: int = 256,
                  generation_timeout_s: float | None = 600, seed: int = 0, progress: bool = False):
         if processes < 1:
             raise ValueError(f"processes must be >= 1, got {processes}")
-        self.policy = policy
+        self.backend = backend
         self.sampling = sampling or SamplingParams()
         self.processes = processes
         self.progress = progress
         per_process = max(1, -(-max_concurrency // processes))
         try:
-            # what each env process builds its RolloutDriver from, given its RemotePolicy (sent once)
+            # what each env process builds its RolloutDriver from, given its RemoteBackend (sent once)
             self._spec = cloudpickle.dumps(functools.partial(RolloutDriver, env, env_kwargs=env_kwargs,
                                                              max_concurrency=per_process,
                                                              generation_timeout_s=generation_timeout_s, seed=seed,
@@ -90,11 +91,11 @@ class ProcessRolloutDriver(EpisodeDriver):
             with collector_paused():  # as in RolloutDriver.play: no full collection stalls the engine meanwhile
                 async with asyncio.TaskGroup() as group:  # the first failure cancels the other shares at once
                     plays = [group.create_task(w.play({g: tasks[g] for g in {e.group for e in share}}, share, step,
-                                                      sampling, self.policy, on_finished))
+                                                      sampling, self.backend, on_finished))
                              for w, share in zip(workers, shares) if share]
         except BaseException as e:  # a failure, or this rollout cancelled: the processes still playing are stopped
             self._stop([w for w in self._workers if not w.idle])  # (their state is unknown)
-            if isinstance(e, BaseExceptionGroup):  # raise a dead policy's error as it is, as RolloutDriver does
+            if isinstance(e, BaseExceptionGroup):  # raise a dead backend's error as it is, as RolloutDriver does
                 raise first_error(e) from None
             raise
         outcomes = [p.result() for p in plays]
@@ -136,13 +137,13 @@ class ProcessRolloutDriver(EpisodeDriver):
             pass
 
 
-def rollout_driver(env: Callable[[], gym.Env] | str, policy: Policy, sampling: SamplingParams | None = None, *,
+def rollout_driver(env: Callable[[], gym.Env] | str, backend: Backend, sampling: SamplingParams | None = None, *,
                    processes: int = 0, **kwargs) -> EpisodeDriver:
     """The driver of a training rollout: a `RolloutDriver`, or with `processes` > 0 a `ProcessRolloutDriver` over
     that many env processes; `kwargs` are their common arguments (`max_concurrency`, `seed`, ...)."""
     if processes:
-        return ProcessRolloutDriver(env, policy, sampling, processes=processes, **kwargs)
-    return RolloutDriver(env, policy, sampling, **kwargs)
+        return ProcessRolloutDriver(env, backend, sampling, processes=processes, **kwargs)
+    return RolloutDriver(env, backend, sampling, **kwargs)
 
 
 class _EnvProcess:
@@ -169,9 +170,9 @@ class _EnvProcess:
         return self.process.is_alive()
 
     async def play(self, tasks: Mapping[int, dict], ids: list[EpisodeId], step: int, sampling: SamplingParams,
-                   policy: Policy, on_finished: Callable[[EpisodeRecord], None] | None
+                   backend: Backend, on_finished: Callable[[EpisodeRecord], None] | None
                    ) -> tuple[list[EpisodeRecord], Counter]:
-        """Have the process play `ids`; serve its generations with `policy` meanwhile. Each episode's record comes
+        """Have the process play `ids`; serve its generations with `backend` meanwhile. Each episode's record comes
         back as the episode ends (unpickled here while the others play, not all at once after the last)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -186,7 +187,7 @@ class _EnvProcess:
         def on_message() -> None:
             try:
                 while not done.done() and self.conn.poll():
-                    self._handle(self.conn.recv(), policy, answers, done, arrived)
+                    self._handle(wire.loads(self.conn.recv_bytes()), backend, answers, done, arrived)
             except (EOFError, OSError):
                 if not done.done():
                     self.process.join(timeout=1)
@@ -207,14 +208,14 @@ class _EnvProcess:
         self.idle = True
         return [finished[e] for e in ids], spent  # its RolloutDriver reports every episode before the result
 
-    def _handle(self, message: tuple, policy: Policy, answers: dict[int, asyncio.Future], done: asyncio.Future,
+    def _handle(self, message: tuple, backend: Backend, answers: dict[int, asyncio.Future], done: asyncio.Future,
                 arrived: Callable[[EpisodeRecord], None]) -> None:
         kind, *body = message
         if kind == "generate":
             key, prompt_ids, params = body
             # submitted now, not at the event loop's next pass: a burst of requests read here reaches the engine
             # as it is read, so that the engine's gathering sees it arrive without gaps (and no task per request)
-            answers[key] = future = policy.submit(prompt_ids, params)
+            answers[key] = future = backend.submit(prompt_ids, params)
             future.add_done_callback(functools.partial(self._answer, key, answers))
         elif kind == "cancel":
             future = answers.pop(body[0], None)
@@ -251,7 +252,7 @@ class _EnvProcess:
         self._replies.append(answer)
 
     def _send_replies(self) -> None:
-        """Send the answers `_reply` gathered. One that cannot be pickled (e.g. a policy's ModelTurn whose `meta`
+        """Send the answers `_reply` gathered. One that cannot be pickled (e.g. a backend's ModelTurn whose `meta`
         holds a handle) goes as that generation's failure, so that it costs neither the others nor a wait for the
         env process's timeout."""
         replies, self._replies = self._replies, []
@@ -298,13 +299,13 @@ def _sendable(answer: tuple) -> tuple:
         pickle.dumps(answer)
     except Exception as e:
         kind, key, _ = answer
-        return "failed", key, EnvProcessError(f"the policy's {'answer' if kind == 'turn' else 'error'} could not be "
+        return "failed", key, EnvProcessError(f"the backend's {'answer' if kind == 'turn' else 'error'} could not be "
                                               f"sent to the env process: {type(e).__name__}: {e}")
     return answer
 
 
-class RemotePolicy(Policy):
-    """The policy of an env process: each generation goes to the driver's process and its ModelTurn comes back."""
+class RemoteBackend(Backend):
+    """The backend of an env process: each generation goes to the driver's process and its ModelTurn comes back."""
 
     def __init__(self, conn):
         self.conn = conn
@@ -348,8 +349,8 @@ def _env_process_main(conn) -> None:
     except Exception as e:  # e.g. the env's class cannot be imported here: the first rollout raises this
         conn.send(("error", EnvProcessError(f"env process could not load its env: {type(e).__name__}: {e}")))
         return
-    policy = RemotePolicy(conn)
-    driver = make_driver(policy=policy)
+    backend = RemoteBackend(conn)
+    driver = make_driver(backend=backend)
     try:
         while True:
             try:
@@ -360,33 +361,37 @@ def _env_process_main(conn) -> None:
                 return
             if message[0] == "answers":  # late: answered here before the last share's cancel reached the driver
                 continue
-            _serve_share(driver, policy, conn, message[1:])
+            _serve_share(driver, backend, conn, message[1:])
     finally:
         driver.close()
 
 
-def _serve_share(driver: RolloutDriver, policy: RemotePolicy, conn, share: tuple) -> None:
+def _serve_share(driver: RolloutDriver, backend: RemoteBackend, conn, share: tuple) -> None:
     """Play a share (tasks, ids, step, sampling) and send its result, or its error. The collector stays paused until
     the result is sent: the young collection of the share's objects (which the driver's own pause leaves to the
     next allocation) then runs while this process waits for its next share, not between the last record and the
     result, which the rollout waits for."""
     with collector_paused():
         try:
-            asyncio.run(_play_share(driver, policy, conn, *share))
+            asyncio.run(_play_share(driver, backend, conn, *share))
         except BaseException as e:
             conn.send(("error", portable(e, EnvProcessError)))
             if not isinstance(e, Exception):
                 raise
 
 
-async def _play_share(driver: RolloutDriver, policy: RemotePolicy, conn, tasks, ids, step, sampling) -> None:
-    """Play a share, sending each episode's record as it ends (so the pickling, and the driver's process's
-    unpickling, of a share's records is spread over the rollout instead of following its last turn), then the
-    wall-time split as the result (before the event loop is torn down)."""
+async def _play_share(driver: RolloutDriver, backend: RemoteBackend, conn, tasks, ids, step, sampling) -> None:
+    """Play a share, sending each episode's record as it ends (so the encoding, and the driver's process's
+    decoding, of a share's records is spread over the rollout instead of following its last turn; `mt_env.wire`),
+    then the wall-time split as the result (before the event loop is torn down)."""
     loop = asyncio.get_running_loop()
-    loop.add_reader(conn.fileno(), policy.on_message)
+    loop.add_reader(conn.fileno(), backend.on_message)
+
+    def finished(record: EpisodeRecord) -> None:
+        conn.send_bytes(wire.dumps(("finished", record)))
+
     try:
-        _, spent = await driver.play(tasks, ids, step, sampling, on_finished=lambda r: conn.send(("finished", r)))
+        _, spent = await driver.play(tasks, ids, step, sampling, on_finished=finished)
     finally:
         loop.remove_reader(conn.fileno())
     conn.send(("result", dict(spent)))

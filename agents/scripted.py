@@ -1,7 +1,7 @@
-"""ScriptedPolicy: a `Policy` that answers from a script instead of a model — real token ids, no weights.
+"""ScriptedBackend: a `Backend` that answers from a script instead of a model — real token ids, no weights.
 
 For tests and benchmarks that need exact, repeatable model turns (replayed recordings, an expert that calls the
-tool, a policy that misbehaves on purpose), and for demos without a model. The script is a function of the prompt
+tool, a model that misbehaves on purpose), and for demos without a model. The script is a function of the prompt
 ids (the whole context so far) returning the next turn: token ids, or a full `ModelTurn`.
 """
 
@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 
 from mt_env.turn import ModelTurn
 
-from .policy import Policy, PolicyError, SamplingParams, check_prompt_ids
+from .backend import Backend, BackendError, SamplingParams, check_prompt_ids
 
 
-class ScriptedPolicy(Policy):
+class ScriptedBackend(Backend):
     """Args:
         script: ``script(prompt_ids) -> list[int] | ModelTurn``. Plain ids get logprobs of 0 and finish reason
             ``"stop"`` when they end with a stop token, else ``"length"``; they are cut at ``max_new_tokens``.
@@ -33,7 +33,7 @@ class ScriptedPolicy(Policy):
 
     async def generate(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> ModelTurn:
         if self._closed:
-            raise PolicyError("this ScriptedPolicy is closed")
+            raise BackendError("this ScriptedBackend is closed")
         params = params or SamplingParams()
         prompt = check_prompt_ids(prompt_ids, self.vocab_size)
         self.calls += 1

@@ -42,8 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-from agents.hf_policy import HFPolicy  # noqa: E402
-from agents.policy import SamplingParams, counted  # noqa: E402
+from agents.backend import SamplingParams, counted  # noqa: E402
+from agents.hf_backend import HFBackend  # noqa: E402
 from benchmarks import record  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
 
@@ -85,7 +85,7 @@ class Workload:
 WORKLOADS = {"A": Workload(32, 8, 6, 600, 256, 400), "B": Workload(64, 8, 3, 300, 128, 100)}
 
 
-async def play(policy: HFPolicy, wl: Workload, vocab: int, seed: int) -> tuple[float, int]:
+async def play(backend: HFBackend, wl: Workload, vocab: int, seed: int) -> tuple[float, int]:
     """Every turn one `generate_many` over all contexts; returns (wall seconds, tokens generated)."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(10, vocab) for _ in range(wl.prompt)] for _ in range(wl.prompts)]
@@ -94,7 +94,7 @@ async def play(policy: HFPolicy, wl: Workload, vocab: int, seed: int) -> tuple[f
     for turn in range(wl.turns):
         params = [SamplingParams(temperature=1.0, max_new_tokens=wl.generate, seed=seed * 7919 + turn * 1000 + i)
                   for i in range(len(contexts))]
-        turns = await policy.generate_many(contexts, params)
+        turns = await backend.generate_many(contexts, params)
         for context, t in zip(contexts, turns):
             context += t.ids + [rng.randrange(10, vocab) for _ in range(wl.observe)]
         generated += sum(len(t.ids) for t in turns)
@@ -105,14 +105,14 @@ def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int,
     """One setting of one workload: warm-up at the same shapes, then the measured run (its worker thread profiled,
     the `profile` costliest functions printed, when asked)."""
     async def run():
-        async with HFPolicy(model, max_batch_size=max_batch, seed=0, vocab_limit=vocab, fast_path=True,
-                            prefix_cache=prefix_cache) as policy:
-            await play(policy, wl, vocab, seed=1)  # warm: compilations, graphs, the allocator's pools
-            policy._engine.flush()  # (through the worker's queue would be the same: nothing runs now)
+        async with HFBackend(model, max_batch_size=max_batch, seed=0, vocab_limit=vocab, fast_path=True,
+                            prefix_cache=prefix_cache) as backend:
+            await play(backend, wl, vocab, seed=1)  # warm: compilations, graphs, the allocator's pools
+            backend._engine.flush()  # (through the worker's queue would be the same: nothing runs now)
             _reset_peak()
-            with counted(policy) as stats, _worker_profiled(profile):
-                wall, generated = await play(policy, wl, vocab, seed=2)
-            return wall, generated, stats, policy.fast_path_reason
+            with counted(backend) as stats, _worker_profiled(profile):
+                wall, generated = await play(backend, wl, vocab, seed=2)
+            return wall, generated, stats, backend.fast_path_reason
 
     wall, generated, stats, reason = asyncio.run(run())
     steps = max(1, stats["decode_passes"])
@@ -127,7 +127,7 @@ def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int,
 
 @contextlib.contextmanager
 def _worker_profiled(top: int):
-    """Profile HFPolicy's worker thread inside the block (cProfile follows one thread: the worker's steps are
+    """Profile HFBackend's worker thread inside the block (cProfile follows one thread: the worker's steps are
     wrapped) and print its `top` costliest functions; nothing when `top` is 0."""
     if not top:
         yield
@@ -135,7 +135,7 @@ def _worker_profiled(top: int):
     import cProfile
     import pstats
 
-    profiler, serve = cProfile.Profile(), HFPolicy._serve_once
+    profiler, serve = cProfile.Profile(), HFBackend._serve_once
 
     def profiled(self):
         profiler.enable()
@@ -144,11 +144,11 @@ def _worker_profiled(top: int):
         finally:
             profiler.disable()
 
-    HFPolicy._serve_once = profiled
+    HFBackend._serve_once = profiled
     try:
         yield
     finally:
-        HFPolicy._serve_once = serve
+        HFBackend._serve_once = serve
         pstats.Stats(profiler).sort_stats("tottime").print_stats(top)
 
 
@@ -183,22 +183,22 @@ def run_gsm8k(model, tokenizer, args) -> dict:
     tasks = make_env().unwrapped.rows[:32]
     rows = {}
     for cache in (True, False):
-        policy = HFPolicy(model, max_batch_size=256, seed=0, vocab_limit=len(tokenizer), fast_path=True,
+        backend = HFBackend(model, max_batch_size=256, seed=0, vocab_limit=len(tokenizer), fast_path=True,
                           prefix_cache=cache)
         sampling = SamplingParams(temperature=1.0, max_new_tokens=args.gsm8k_tokens,
                                   stop_token_ids=(tokenizer.eos_token_id,))
-        driver = rollout_driver(make_env, policy, sampling, processes=args.env_processes, max_concurrency=256,
+        driver = rollout_driver(make_env, backend, sampling, processes=args.env_processes, max_concurrency=256,
                                 generation_timeout_s=None, seed=0)
         try:
             driver.run(tasks, n=8, step=1)  # warm-up
-            policy._engine.flush()
+            backend._engine.flush()
             _reset_peak()
-            with counted(policy) as stats:
+            with counted(backend) as stats:
                 start = time.perf_counter()
                 result = driver.run(tasks, n=8, step=2)
                 wall = time.perf_counter() - start
         finally:
-            asyncio.run(policy.close())
+            asyncio.run(backend.close())
             driver.close()
         generated = int(result.metrics["rollout/generated_tokens"])
         rows[cache] = dict(tok_s=generated / wall, wall_s=wall, generated=generated,
@@ -222,17 +222,17 @@ def run_serve7b(args) -> dict:
     held = sum(len(p) + 64 for p in prompts)
 
     async def run():
-        async with HFPolicy(model, max_batch_size=args.serve_seqs, seed=0, kv_cache_gib=args.kv_gib,
-                            max_context_len=8192) as policy:
+        async with HFBackend(model, max_batch_size=args.serve_seqs, seed=0, kv_cache_gib=args.kv_gib,
+                            max_context_len=8192) as backend:
             warm = [p[:512] for p in prompts[:64]]
-            await policy.generate_many(warm, SamplingParams(max_new_tokens=8))  # kernels and graphs of small shapes
+            await backend.generate_many(warm, SamplingParams(max_new_tokens=8))  # kernels and graphs of small shapes
             _reset_peak()
-            with counted(policy) as stats:
+            with counted(backend) as stats:
                 start = time.perf_counter()
-                turns = await policy.generate_many(prompts, SamplingParams(max_new_tokens=64))
+                turns = await backend.generate_many(prompts, SamplingParams(max_new_tokens=64))
                 wall = time.perf_counter() - start
-            engine = policy._engine
-            return wall, turns, stats, engine.pool.num_blocks, engine.runner.bytes_per_token(), policy.fast_path_reason
+            engine = backend._engine
+            return wall, turns, stats, engine.pool.num_blocks, engine.runner.bytes_per_token(), backend.fast_path_reason
 
     wall, turns, stats, blocks, per_token, reason = asyncio.run(run())
     pool_tokens = (blocks - 1) * 16

@@ -53,7 +53,7 @@ sys.path.insert(0, str(CODE))
 import gymnasium as gym  # noqa: E402
 
 import mt_env  # noqa: E402, F401
-from envs.gsm8k_tool import GSM8kToolEnv  # noqa: E402
+from envs.gsm8k.env import GSM8kToolEnv  # noqa: E402
 from mt_env.parsers import HermesParser, ToolCall  # noqa: E402
 from mt_env.vector import ToolVectorEnv  # noqa: E402
 

@@ -3,7 +3,7 @@ old-logprob pass with exact mode off and on, in one process on the same prompts,
 mismatch of each (0.0 in exact mode).
 
 1. Engine: `--batch` prompts of mixed lengths (up to `--prompt`) sampled to `--new-tokens` tokens each through
-   `HFPolicy` (the paged engine; on CUDA compiled and in CUDA graphs when off, uncompiled when on); tok/s = sampled
+   `HFBackend` (the paged engine; on CUDA compiled and in CUDA graphs when off, uncompiled when on); tok/s = sampled
    tokens / seconds, the best of `--repeats` after a warm-up.
 2. Trainer: `trainers.ppo.score` over those rollouts (packed, micro-batches of `--micro-tokens` tokens), in tokens of
    the batch per second, the best of `--repeats`.
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents.hf_policy import HFPolicy  # noqa: E402
-from agents.policy import SamplingParams  # noqa: E402
+from agents.hf_backend import HFBackend  # noqa: E402
+from agents.backend import SamplingParams  # noqa: E402
 from benchmarks import record  # noqa: E402
 from mt_env.batch import TrainBatch  # noqa: E402
 from trainers import algos  # noqa: E402
@@ -58,11 +58,11 @@ def engine_run(lm, prompts, args, exact: bool):
               for i in range(len(prompts))]
 
     async def main():
-        async with HFPolicy(lm, seed=0, max_batch_size=len(prompts), exact=exact, prefix_cache=False) as policy:
+        async with HFBackend(lm, seed=0, max_batch_size=len(prompts), exact=exact, prefix_cache=False) as backend:
             best, turns = float("inf"), None
             for _ in range(args.repeats + 1):
                 start = time.perf_counter()
-                turns = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
+                turns = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params)))
                 best = min(best, time.perf_counter() - start)
             return best, turns
 

@@ -1,13 +1,13 @@
-"""Rollout throughput: the rollout driver, HFPolicy doing the same token work directly, and transformers' static-cache
+"""Rollout throughput: the rollout driver, HFBackend doing the same token work directly, and transformers' static-cache
 ``generate`` doing the same token work.
 
 Each batch size runs `batch` episodes of exactly three turns: a Calculator env whose `interaction` always asks the
 model to go on, with ``length_cut="interact"``, so that a random model's turns (cut at ``--new-tokens``) are
 followed by a user turn instead of ending the episode. The driver plays them all concurrently against one
-`HFPolicy`; it records every episode's context and generated length per turn. Three figures, generated tokens/s:
+`HFBackend`; it records every episode's context and generated length per turn. Three figures, generated tokens/s:
 
 * ``driver_tok_s``: through the rollout driver (envs, tools, conversation bookkeeping, training samples).
-* ``engine_tok_s``: the same `HFPolicy` replaying exactly that token work without envs, tools or bookkeeping: for
+* ``engine_tok_s``: the same `HFBackend` replaying exactly that token work without envs, tools or bookkeeping: for
   turn k = 1, 2, 3 one `generate_many` over the contexts the episodes had at turn k, each generating exactly as
   many tokens as the episode did (``max_new_tokens`` = that length, no stop tokens).
 * ``hf_static_tok_s``: transformers' ``model.generate(cache_implementation="static")`` on the same module doing the
@@ -20,7 +20,7 @@ followed by a user turn instead of ending the episode. The driver plays them all
 Everything is warmed up at each batch size's own shapes before timing (the first warm-up also builds the driver's
 env pool, as a trainer's first step would). Goals: engine >= 2x hf_static (the fast path, on CUDA) and driver >=
 0.95x engine. Also reported: the driver's wall-time split (generation in flight / tool steps only / its own
-bookkeeping: resets, parsing, conversation ids, training samples with the drift check), the policy's pass counts
+bookkeeping: resets, parsing, conversation ids, training samples with the drift check), the backend's pass counts
 (prefill passes, decode steps, rows per step: decoded, wasted — launched before their row's end was read — and
 padding) and its worker's time: busy, gathering the requests that trickle in (when it is idle, or while fewer rows
 decode than wait), in prefill passes, launching decode steps (on CUDA enqueueing them; on CPU computing them),
@@ -31,7 +31,7 @@ where they take longer than a step, the host is the bottleneck.
     python benchmarks/bench_rollout.py                                   # CPU: tiny random Qwen2, batch 64 and 256
     python benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --new-tokens 128 --batch 64 256 512 \
         --env-processes 8 --repeats 5                                    # writes benchmarks/results/h200/rollout.json
-    python benchmarks/bench_rollout.py ... --fast-path off               # HFPolicy's transformers path instead
+    python benchmarks/bench_rollout.py ... --fast-path off               # HFBackend's transformers path instead
     python benchmarks/bench_rollout.py ... --env-processes 4             # envs in 4 processes (ProcessRolloutDriver)
 """
 
@@ -56,10 +56,10 @@ from transformers import GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-import agents.hf_policy  # noqa: E402
+import agents.hf_backend  # noqa: E402
 import agents.rollout  # noqa: E402
-from agents.hf_policy import HFPolicy  # noqa: E402
-from agents.policy import SamplingParams, counted  # noqa: E402
+from agents.backend import SamplingParams, counted  # noqa: E402
+from agents.hf_backend import HFBackend  # noqa: E402
 from agents.rollout import RolloutResult  # noqa: E402
 from agents.rollout_processes import rollout_driver  # noqa: E402
 from benchmarks import record  # noqa: E402
@@ -84,7 +84,7 @@ class KeepGoingEnv(CalculatorEnv):
         return "Go on."
 
 
-#: --fast-path's choices as HFPolicy's `fast_path` argument
+#: --fast-path's choices as HFBackend's `fast_path` argument
 FAST_PATH = {"auto": "auto", "on": True, "off": False}
 
 
@@ -113,13 +113,13 @@ def turn_work(result: RolloutResult) -> list[list[tuple[list[int], int]]]:
     return work
 
 
-async def run_engine(policy: HFPolicy, work, temperature: float) -> tuple[float, int]:
+async def run_engine(backend: HFBackend, work, temperature: float) -> tuple[float, int]:
     """Replay `work` turn by turn, each turn one batched call; returns (wall seconds, generated tokens)."""
     tokens, start = 0, time.perf_counter()
     for k, turn in enumerate(work):
         params = [SamplingParams(temperature=temperature, max_new_tokens=n, seed=k * 100_003 + i)
                   for i, (_, n) in enumerate(turn)]
-        generations = await policy.generate_many([ids for ids, _ in turn], params)
+        generations = await backend.generate_many([ids for ids, _ in turn], params)
         got = [len(g) for g in generations]
         if got != [n for _, n in turn]:
             raise RuntimeError("the engine replay generated other lengths than the rollout: the comparison is off")
@@ -145,18 +145,18 @@ def run_hf_static(model, work, temperature: float, pad_id: int) -> tuple[float, 
     return time.perf_counter() - start, tokens
 
 
-def measure(driver, policy: HFPolicy, tasks: list[dict], args, step: int) -> tuple[dict, list]:
+def measure(driver, backend: HFBackend, tasks: list[dict], args, step: int) -> tuple[dict, list]:
     """The driver and the engine replaying its token work; returns the row of figures and that work."""
     driver_tok_s, engine_tok_s, splits, ends = [], [], [], Counter()
     # Warm-up at this exact size: the first pass through a range of tensor sizes (KV caches growing token by token,
     # CUDA graphs captured per bucket) pays for what later passes reuse; whichever side ran first would otherwise
     # pay for both.
     warm = driver.run(tasks, step=step + 500)
-    asyncio.run(run_engine(policy, turn_work(warm), args.temperature))
+    asyncio.run(run_engine(backend, turn_work(warm), args.temperature))
     if args.gc_freeze:
         gc.freeze()
     for r in range(args.repeats):
-        with counted(policy) as driver_passes:
+        with counted(backend) as driver_passes:
             start = time.perf_counter()
             result = driver.run(tasks, step=step + r)
             driver_wall = time.perf_counter() - start
@@ -166,8 +166,8 @@ def measure(driver, policy: HFPolicy, tasks: list[dict], args, step: int) -> tup
         ends.update(rec.end_reason for rec in result.episodes)
         tokens = int(result.metrics["rollout/generated_tokens"])
         work = turn_work(result)
-        with counted(policy) as engine_passes:
-            engine_wall, engine_tokens = asyncio.run(run_engine(policy, work, args.temperature))
+        with counted(backend) as engine_passes:
+            engine_wall, engine_tokens = asyncio.run(run_engine(backend, work, args.temperature))
         assert engine_tokens == tokens
         driver_tok_s.append(tokens / driver_wall)
         engine_tok_s.append(engine_tokens / engine_wall)
@@ -255,16 +255,16 @@ def arguments() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1, help="timed runs per batch size (the median ratio is shown)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--fast-path", choices=["auto", "on", "off"], default="auto",
-                    help="HFPolicy's engine: auto = the paged engine on CUDA for supported models (agents/engine)")
+                    help="HFBackend's engine: auto = the paged engine on CUDA for supported models (agents/engine)")
     ap.add_argument("--no-hf-static", dest="hf_static", action="store_false",
                     help="skip the transformers generate(cache_implementation='static') baseline")
     ap.add_argument("--threads", type=int, help="torch CPU threads; default 1 on cpu (on a small shared CPU, "
                     "intra-op threads waiting for a busy core slow the tiny model many times), torch's own on cuda")
     ap.add_argument("--tokenizer", default="offline:qwen2.5")
     ap.add_argument("--switch-interval", type=float, help="experiment: the interpreter's switch interval (s) while "
-                    f"the worker serves (default {agents.hf_policy.SERVING_SWITCH_INTERVAL_S})")
+                    f"the worker serves (default {agents.hf_backend.SERVING_SWITCH_INTERVAL_S})")
     ap.add_argument("--gather-cap", type=int, help="experiment: longest gathering of the worker, in gather "
-                    f"windows (default {agents.hf_policy.GATHER_CAP_WINDOWS})")
+                    f"windows (default {agents.hf_backend.GATHER_CAP_WINDOWS})")
     ap.add_argument("--gc-freeze", action="store_true", help="experiment: gc.freeze() after the warm-up (the "
                     "objects alive then are never scanned again)")
     ap.add_argument("--attention", choices=["auto", "gather", "triton"], default="auto",
@@ -288,18 +288,18 @@ def main():
         torch.set_num_threads(threads)
     _raise_recompile_limit()
     if args.switch_interval is not None:
-        agents.hf_policy.SERVING_SWITCH_INTERVAL_S = args.switch_interval
+        agents.hf_backend.SERVING_SWITCH_INTERVAL_S = args.switch_interval
     if args.gather_cap is not None:
-        agents.hf_policy.GATHER_CAP_WINDOWS = args.gather_cap
+        agents.hf_backend.GATHER_CAP_WINDOWS = args.gather_cap
 
     tokenizer = load_tokenizer(args.tokenizer)
     args.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     model, shape = build_model(args.model, args.device, len(tokenizer))
     largest = max(args.batch)
-    policy = make_policy(HFPolicy, model, args, len(tokenizer))
-    header = run_header(args, policy, shape, len(tokenizer))
+    backend = make_backend(HFBackend, model, args, len(tokenizer))
+    header = run_header(args, backend, shape, len(tokenizer))
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.new_tokens)
-    driver = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), policy, sampling, largest,
+    driver = make_driver(functools.partial(KeepGoingEnv, tokenizer=tokenizer), backend, sampling, largest,
                          args.env_processes)
     tasks = make_tasks(largest)
 
@@ -307,12 +307,12 @@ def main():
     # `measure`, at its own shapes.
     start = time.perf_counter()
     warm = driver.run(tasks, step=10_000, max_new_tokens=1)
-    asyncio.run(run_engine(policy, turn_work(warm), args.temperature))
+    asyncio.run(run_engine(backend, turn_work(warm), args.temperature))
     print(f"warm-up: {time.perf_counter() - start:.1f} s\n")
     try:
-        rows = measure_sizes(driver, policy, tasks, args, header)
+        rows = measure_sizes(driver, backend, tasks, args, header)
     finally:
-        asyncio.run(policy.close())
+        asyncio.run(backend.close())
         driver.close()
     report_end(rows, args, header)
 
@@ -323,8 +323,8 @@ def make_tasks(n: int) -> list[dict]:
     return [CalculatorEnv.task_for([int(x) for x in rng.integers(100, 1000, size=2)]) for _ in range(n)]
 
 
-def make_policy(cls: type[HFPolicy], model, args: argparse.Namespace, vocab: int) -> HFPolicy:
-    """The engine measured (`cls`: HFPolicy or a subclass that marks its phases), for the largest batch, with the
+def make_backend(cls: type[HFBackend], model, args: argparse.Namespace, vocab: int) -> HFBackend:
+    """The engine measured (`cls`: HFBackend or a subclass that marks its phases), for the largest batch, with the
     command line's knobs."""
     engine = {} if FAST_PATH[args.fast_path] is False else dict(attention=args.attention,
                                                                   prefix_cache=args.prefix_cache == "on")
@@ -332,50 +332,50 @@ def make_policy(cls: type[HFPolicy], model, args: argparse.Namespace, vocab: int
                **engine)
 
 
-def make_driver(make_env, policy: HFPolicy, sampling: SamplingParams, concurrency: int, env_processes: int = 0):
+def make_driver(make_env, backend: HFBackend, sampling: SamplingParams, concurrency: int, env_processes: int = 0):
     """The driver measured: its env work in this process (`RolloutDriver`), or in `env_processes` processes
     (`ProcessRolloutDriver`)."""
-    return rollout_driver(make_env, policy, sampling, processes=env_processes, max_concurrency=concurrency,
+    return rollout_driver(make_env, backend, sampling, processes=env_processes, max_concurrency=concurrency,
                           generation_timeout_s=None, seed=0)
 
 
-def run_header(args, policy: HFPolicy, shape: dict, vocab: int) -> dict:
+def run_header(args, backend: HFBackend, shape: dict, vocab: int) -> dict:
     """The run's settings (the JSON's header), printed."""
     device = torch.cuda.get_device_name() if args.device == "cuda" else f"cpu ({os.cpu_count()} cores)"
     header = dict(torch=torch.__version__,
                   transformers=transformers.__version__, threads=torch.get_num_threads(), model=shape,
-                  tokenizer=args.tokenizer, fast_path=policy.fast_path_reason, turns=TURNS,
-                  compile=policy.compile_reason,
+                  tokenizer=args.tokenizer, fast_path=backend.fast_path_reason, turns=TURNS,
+                  compile=backend.compile_reason,
                   new_tokens=args.new_tokens, temperature=args.temperature, repeats=args.repeats,
-                  switch_interval_s=agents.hf_policy.SERVING_SWITCH_INTERVAL_S,
-                  gather_cap_windows=agents.hf_policy.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
+                  switch_interval_s=agents.hf_backend.SERVING_SWITCH_INTERVAL_S,
+                  gather_cap_windows=agents.hf_backend.GATHER_CAP_WINDOWS, gc_freeze=args.gc_freeze,
                   env_processes=args.env_processes, first_step=args.first_step, attention=args.attention,
                   prefix_cache=args.prefix_cache)
     print(f"code: {Path(agents.rollout.__file__).resolve().parents[1]}")
     print(f"device: {device}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} CPU thread(s)")
     print("model:", ", ".join(f"{k} {v}" for k, v in shape.items()), f"(tokenizer {args.tokenizer}, {vocab})")
-    print(f"HFPolicy fast path: {policy.fast_path_reason}")
-    print(f"decode step: {policy.compile_reason}")
+    print(f"HFBackend fast path: {backend.fast_path_reason}")
+    print(f"decode step: {backend.compile_reason}")
     print(f"episodes: {TURNS} turns x {args.new_tokens} new tokens, temperature {args.temperature}; "
           f"batch sizes {args.batch}; {args.repeats} timed run(s) each; driver: "
           + (f"env work in {args.env_processes} processes" if args.env_processes else "env work in this process"))
     return header
 
 
-def measure_sizes(driver, policy: HFPolicy, tasks: list[dict], args, header: dict) -> list[dict]:
+def measure_sizes(driver, backend: HFBackend, tasks: list[dict], args, header: dict) -> list[dict]:
     """A row of figures per batch size (an error recorded as its row), printed and written as they come."""
     print(f"{'batch':>5} {'tokens':>7} {'driver tok/s':>12} {'engine tok/s':>11} {'hf static tok/s':>14} "
           f"{'eng/hf':>7} {'drv/eng':>9}   {'generation s':>12} {'tools s':>8} {'bookkeeping s':>13}")
     rows, works = [], []  # works[i]: the token work of rows[i] (None after an error)
     for i, batch in enumerate(args.batch):
         try:
-            row, work = measure(driver, policy, tasks[:batch], args, step=args.first_step + 1000 * i)
+            row, work = measure(driver, backend, tasks[:batch], args, step=args.first_step + 1000 * i)
         except Exception as e:  # record it and go on with the next size
             row, work = dict(batch=batch, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()), None
         rows.append(row)
         works.append(work)
-        header["compile"] = policy.compile_reason
+        header["compile"] = backend.compile_reason
         write(rows, args, header)  # after each size: a run cut short still leaves its figures
         if not args.hf_static:
             print_row(row)
@@ -384,7 +384,7 @@ def measure_sizes(driver, policy: HFPolicy, tasks: list[dict], args, header: dic
         # compiled static generate died with a CUDA illegal memory access (see the README's Status)
         for row, work in zip(rows, works):
             if work is not None:
-                measure_hf_static(row, policy.model, work, args)
+                measure_hf_static(row, backend.model, work, args)
             print_row(row)
             write(rows, args, header)
     return rows

@@ -1,4 +1,4 @@
-"""GPU check of HFPolicy's paged engine (`agents.engine`) against its transformers path, in one run.
+"""GPU check of HFBackend's paged engine (`agents.engine`) against its transformers path, in one run.
 
 For the Qwen2.5-0.5B shape (random init) in each dtype (default bf16 and fp32):
 
@@ -16,7 +16,7 @@ For the Qwen2.5-0.5B shape (random init) in each dtype (default bf16 and fp32):
   On random weights near-ties are everywhere, so the equality goal is only measurable on a trained model (below).
 * ``weights`` (last: it changes the weights): after an in-place change of ``lm_head`` the fast path's output
   changes, equals the transformers path's on the new weights, and no graph is captured again (the graphs read the
-  parameters in place); after ``load_state_dict(assign=True)`` (new tensors) the policy notices the reallocation,
+  parameters in place); after ``load_state_dict(assign=True)`` (new tensors) the backend notices the reallocation,
   captures again, and again equals the transformers path.
 
 Then ``trained``: the same random 0.5B shape trained (AdamW, lr 3e-4 after a 20-step warm-up, fp32 weights under
@@ -57,8 +57,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-from agents.hf_policy import HFPolicy  # noqa: E402
-from agents.policy import SamplingParams  # noqa: E402
+from agents.backend import SamplingParams  # noqa: E402
+from agents.hf_backend import HFBackend  # noqa: E402
 from benchmarks import record  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
 
@@ -81,16 +81,16 @@ def make_prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(vocab) for _ in range(8 + (37 * i) % 293)] for i in range(n)]
 
 
-async def greedy_async(model, prompts, new_tokens: int, **policy_kwargs):
-    """Greedy continuations of `prompts`, all in one batch; returns the generations, the policy's stats and its
+async def greedy_async(model, prompts, new_tokens: int, **backend_kwargs):
+    """Greedy continuations of `prompts`, all in one batch; returns the generations, the backend's stats and its
     compile status."""
-    async with HFPolicy(model, max_batch_size=max(len(prompts), 1), **policy_kwargs) as policy:
-        gens = await policy.generate_many(prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens))
-        return gens, dict(policy.stats), policy.compile_reason
+    async with HFBackend(model, max_batch_size=max(len(prompts), 1), **backend_kwargs) as backend:
+        gens = await backend.generate_many(prompts, SamplingParams(temperature=0, max_new_tokens=new_tokens))
+        return gens, dict(backend.stats), backend.compile_reason
 
 
-def greedy(model, prompts, new_tokens: int, **policy_kwargs):
-    return asyncio.run(greedy_async(model, prompts, new_tokens, **policy_kwargs))
+def greedy(model, prompts, new_tokens: int, **backend_kwargs):
+    return asyncio.run(greedy_async(model, prompts, new_tokens, **backend_kwargs))
 
 
 def compare(a, b) -> dict:
@@ -142,26 +142,26 @@ def check_weights(model, prompts, args, dtype_name) -> dict:
     subset = prompts[:8]
 
     async def go():
-        async with HFPolicy(model, max_batch_size=len(subset), fast_path=True) as policy:
+        async with HFBackend(model, max_batch_size=len(subset), fast_path=True) as backend:
             params = SamplingParams(temperature=0, max_new_tokens=args.new_tokens)
-            before = await policy.generate_many(subset, params)
-            captures = policy.stats["graph_captures"]
+            before = await backend.generate_many(subset, params)
+            captures = backend.stats["graph_captures"]
             with torch.no_grad():
                 model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight) * model.lm_head.weight.std())
-            in_place = await policy.generate_many(subset, params)
+            in_place = await backend.generate_many(subset, params)
             in_place_reference = (await greedy_async(model, subset, args.new_tokens, fast_path=False))[0]
-            recaptured_in_place = policy.stats["graph_captures"] - captures
+            recaptured_in_place = backend.stats["graph_captures"] - captures
             fresh = {k: v.clone() for k, v in model.state_dict().items()}
             fresh["lm_head.weight"] = fresh["lm_head.weight"].flip(0)
             model.load_state_dict(fresh, assign=True)
-            reassigned = await policy.generate_many(subset, params)
+            reassigned = await backend.generate_many(subset, params)
             reassigned_reference = (await greedy_async(model, subset, args.new_tokens, fast_path=False))[0]
             return dict(changed_share=1 - compare(in_place, before)["share_identical"],
                         in_place_vs_reference=compare(in_place, in_place_reference),
                         captures_after_in_place_change=recaptured_in_place,
                         reassigned_vs_reference=compare(reassigned, reassigned_reference),
-                        module_reallocations=policy.stats["module_reallocations"],
-                        captures_total=policy.stats["graph_captures"])
+                        module_reallocations=backend.stats["module_reallocations"],
+                        captures_total=backend.stats["graph_captures"])
 
     return asyncio.run(go())
 

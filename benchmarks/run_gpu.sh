@@ -73,7 +73,7 @@ case "${1:-}" in
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
   tests)
     timeout 500 python3 benchmarks/record.py cuda_tests --device cuda -- env MT_ENV_TEST_DEVICE=cuda python3 -m \
-      pytest tests/test_engine.py tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_policy_hf.py \
+      pytest tests/test_engine.py tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_backend_hf.py \
       tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   lora7b)  # the 7B shape's LoRA recipe, 4 RL steps phase by phase -> h200/rl_step_7b_lora

@@ -1,1 +1,1 @@
-"""Task environments, one file per task (Gymnasium-style docstring as each env's spec)."""
+"""Task environments, one module or package per task (Gymnasium-style docstring as each env's spec)."""

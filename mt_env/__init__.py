@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 #: Gymnasium id -> entry point. `gym.make_vec` defaults to mt_env's `ToolVectorEnv` (pass
 #: ``vectorization_mode="sync"`` for Gymnasium's own `SyncVectorEnv`).
 ENVS = {
-    "GSM8kTool-v0": "envs.gsm8k_tool:GSM8kToolEnv",
+    "GSM8kTool-v0": "envs.gsm8k.env:GSM8kToolEnv",
     "Calculator-v0": "envs.calculator:CalculatorEnv",
 }
 
@@ -45,7 +45,8 @@ _LAZY = {
     "collate": "mt_env.batch", "TrainBatch": "mt_env.batch", "offline_tokenizer": "mt_env.tokenizer",
     "load_tokenizer": "mt_env.tokenizer", "ToolEnv": "mt_env.env", "ModelTurn": "mt_env.turn",
     "ToolVectorEnv": "mt_env.vector", "BaseTool": "mt_env.tools", "ToolBox": "mt_env.tools",
-    "load_tools": "mt_env.tool_config", "get_parser": "mt_env.parsers",
+    "load_tools": "mt_env.tool_config", "get_parser": "mt_env.parsers", "StepInfo": "mt_env.info",
+    "ResetInfo": "mt_env.info",
 }
 __all__ = ["ENVS", "register_envs", *_LAZY]
 

@@ -17,12 +17,10 @@ or name — SFT and RL read the same fields:
 ``episode_rewards``    [B]      each sample's episode return
 =====================  =======  ===================================================================================
 
-The trainer adds what it computes per token — ``old_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
-``returns`` — to the same batch (`TrainBatch.replace`), so that one row selection (``batch[rows]``) is a mini- or
-micro-batch of everything, as in CleanRL's flattened batch.
-
-`pack` lays a (micro-)batch's rows end to end in one row without padding, for a model that attends
-block-diagonally (``seq_ids``); `Packed.unpack` puts per-token results back in the ``[B, L]`` layout.
+The trainer adds what it computes per token (``old_logprobs``, ``ref_logprobs``, ``values``, ``advantages``,
+``returns``) to the same batch (`TrainBatch.replace`): one row selection (``batch[rows]``) is a mini- or micro-batch
+of everything, as in CleanRL's flattened batch. `pack` lays a (micro-)batch's rows end to end in one row without
+padding, for a model that attends block-diagonally (``seq_ids``); `Packed.unpack` puts results back in ``[B, L]``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import packed
 from .sample import Sample
 
 
@@ -91,12 +88,12 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
 
     attention_mask = per_token(lambda s: [1] * len(s), 0, torch.long)
     return TrainBatch(
-        input_ids=per_token(lambda s: packed.view(s, "ids"), pad_token_id, torch.long),
+        input_ids=per_token(lambda s: s.ids, pad_token_id, torch.long),
         attention_mask=attention_mask,
         position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
         loss_mask=per_token(Sample.loss_mask, 0.0, torch.float32),
-        rewards=per_token(lambda s: _or_zeros(packed.view(s, "rewards"), len(s)), 0.0, torch.float32),
-        rollout_logprobs=per_token(lambda s: packed.view(s, "logprobs"), 0.0, torch.float32),
+        rewards=per_token(lambda s: _or_zeros(s.rewards, len(s)), 0.0, torch.float32),
+        rollout_logprobs=per_token(lambda s: s.logprobs, 0.0, torch.float32),
         turn_ids=per_token(Sample.turns, -1, torch.long),
         group=torch.tensor([s.group for s in samples], dtype=torch.long),
         episode=torch.tensor([s.episode for s in samples], dtype=torch.long),
@@ -105,14 +102,14 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
 
 
 def _tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-    """Per-token values as a tensor: a packed array (`mt_env.packed`) read as its buffer, any other sequence (a
-    list, an array of another type set by hand) value by value."""
+    """Per-token values as a tensor: a typed array of int64 or doubles read as its buffer, any other sequence (a
+    list, an array of another type) value by value."""
     if isinstance(values, array) and values.typecode in _ARRAY_DTYPES and len(values):
         return torch.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode]).to(dtype)
     return torch.tensor(list(values) if isinstance(values, array) else values, dtype=dtype)
 
 
-_ARRAY_DTYPES = {packed.INT_CODE: torch.int64, packed.FLOAT_CODE: torch.float64}
+_ARRAY_DTYPES = {"q": torch.int64, "d": torch.float64}
 
 
 def _or_zeros(rewards: Sequence[float] | None, n: int) -> Sequence[float]:

@@ -1,12 +1,10 @@
 """`collector_paused`: Python's garbage collector off for a block of work whose objects live until its end anyway.
 
-Why: the collector counts allocations process-wide (a young collection every 700 new objects by default). Work that
-holds many new objects at once — a vector call over 256 envs, a rollout of hundreds of episodes — runs young
-collections that find nothing to free and move every live object to older generations, until a full collection
-traverses every object of the process: ~50-400 ms once transformers, a model and tokenizers are loaded, holding the
-interpreter lock all along, so that an engine's worker thread cannot launch its next decode step meanwhile.
-Measured: GSM8kTool with 256 envs, full collections from 6 to 1 per 18k env steps (`mt_env.vector`); a rollout on an
-H200 had a 382 ms full collection in the middle of a prefill pass (`benchmarks/profile_rollout.py --timeline`).
+Why: the collector counts allocations process-wide. Work that holds many new objects at once — a vector call over
+256 envs, a rollout of hundreds of episodes — runs young collections that find nothing to free and move every live
+object to older generations, until a full collection traverses every object of the process, holding the interpreter
+lock all along, so that an engine's worker thread cannot launch its next decode step meanwhile. Measurements:
+docs/processes.md ("The garbage collector").
 
 Nothing is left uncollected: the objects made meanwhile count towards the next collection, which the first
 allocation after the block starts. A program that switches the collector from another thread during the block

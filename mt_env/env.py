@@ -7,29 +7,16 @@ text, and, when the env has a tokenizer, as the exact template-delta token ids t
 `mt_env.conversation.Conversation`, so the ids never drift from what the chat template renders).
 
 A task subclasses `ToolEnv` and implements `sample_task` (and usually `answer_reward`; optionally `interaction`).
-See `envs/calculator.py` for a small complete example and `envs/gsm8k_tool.py` for a dataset-backed one.
+See `envs/calculator.py` for a small complete example and `envs/gsm8k/` for a dataset-backed one.
 
-Spaces
-    observation: ``Dict(text=Text, input_ids=Sequence(Discrete(vocab)))`` — the *new* text and token ids since
-        the last observation (the whole prompt after `reset`; in ``per_turn`` mode, where each turn starts a new
-        sample, the whole new context). The model's next prompt is always ``env.conversation.context_ids``.
-        Without a tokenizer ``input_ids`` is empty and ``text`` holds the new messages as ``role: content``
-        blocks; the messages themselves are in ``info["messages"]``.
-    action: with a tokenizer, ``Dict(token_ids=Sequence(Discrete(vocab)), finish_reason=Discrete(3))`` (0 stop,
-        1 length, 2 abort); without, ``Text``. `step` also accepts a `ModelTurn`, a ``str`` or a list of ids.
-
-Rewards
-    Each step returns the tool step rewards of that turn; the last step adds the episode's final reward
-    (`final_reward`: by default the tools' ``calc_reward`` plus `answer_reward` of the final answer), also in
-    ``info["final_reward"]``. They are recorded once — in the conversation in token mode (which places them on
-    tokens), in the env in text mode — and `episode_stats` (``info["episode"]``) reads them from there.
-
-Episode end
-    ``terminated``: the model answered without a tool call (and no interaction turn follows), or a tool with
-    ``on_error: end_episode`` failed. ``truncated``: the turn limit, the token budget, an aborted generation, or a
-    turn cut by its token limit without a tool call (see ``length_cut``).
-    Stepping an ended episode raises `gymnasium.error.ResetNeeded`. Tools are released at the end of an episode,
-    on `reset` mid-episode and on `close`.
+Spaces: observations are ``Dict(text, input_ids)`` — the *new* text and token ids since the last one (the model's
+next prompt is always ``env.conversation.context_ids``); an action is one model turn — ``Dict(token_ids,
+finish_reason)`` with a tokenizer, ``Text`` without (`step` also takes a `ModelTurn`, a ``str`` or a list of ids).
+Rewards: each step's tool rewards; the last step adds the final reward (``info["final_reward"]``). ``terminated``:
+the model answered without a tool call, or a tool with ``on_error: end_episode`` failed; ``truncated``: the turn
+limit, the token budget, an aborted generation or a turn cut by its token limit. The keys of ``info``:
+`mt_env.info.StepInfo` (`ResetInfo` for `reset`). Stepping an ended episode raises `gymnasium.error.ResetNeeded`;
+tools are released when an episode ends, on `reset` mid-episode and on `close`. Each in full: docs/envs.md.
 """
 
 from __future__ import annotations
@@ -50,6 +37,7 @@ from .chat_format import ChatFormat, encodable, encodable_value, shared_chat_for
 from .checks import is_int
 from .conversation import Conversation, TokenBudget
 from .errors import MtEnvError
+from .info import ResetInfo, StepInfo
 from .parsers import ToolCall, shared_parser
 from .tool_config import select_tools
 from .tools import BaseTool, ToolBox, cap_calls
@@ -208,7 +196,7 @@ class ToolEnv(gym.Env):
         """An expert's turns for `task`: assistant texts and tool results, alternating (for SFT warm starts)."""
         raise NotImplementedError(f"{type(self).__name__} has no demonstrations; SFT warm start needs them")
 
-    def success(self, info: Mapping[str, Any]) -> bool:
+    def success(self, info: StepInfo) -> bool:
         """Whether an ended episode counts as solved (for success rates); default: a positive final reward."""
         return float(info.get("final_reward") or 0.0) > 0
 
@@ -217,10 +205,10 @@ class ToolEnv(gym.Env):
         return None
 
     # ----------------------------------------------------------------------------------------- gymnasium API
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, ResetInfo]:
         return self._run(self.areset(seed=seed, options=options))
 
-    def step(self, action):
+    def step(self, action) -> tuple[dict, float, bool, bool, StepInfo]:
         return self._run(self.astep(action))
 
     def close(self):
@@ -246,7 +234,7 @@ class ToolEnv(gym.Env):
         return f"<pre>{html.escape(text)}</pre>"
 
     # ----------------------------------------------------------------------------------------- async API
-    async def areset(self, *, seed: int | None = None, options: dict | None = None):
+    async def areset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[dict, ResetInfo]:
         """Async twin of `reset`, for drivers that run many envs in one event loop.
 
         Options: ``task`` (a task row to play instead of drawing one)."""
@@ -277,10 +265,10 @@ class ToolEnv(gym.Env):
             self.conversation = None
             obs = {"text": _plain(messages), "input_ids": ()}
         self._active = True
-        info = {"messages": messages, "tools": chosen.schemas, "sample_id": chosen.sample_id}
+        info: ResetInfo = {"messages": messages, "tools": chosen.schemas, "sample_id": chosen.sample_id}
         return obs, info
 
-    async def astep(self, action):
+    async def astep(self, action) -> tuple[dict, float, bool, bool, StepInfo]:
         """Async twin of `step`: take the turn, parse it, answer it (its tool calls, or a follow-up), observe the
         answer, and score the episode when it ends."""
         if not self._active:
@@ -327,7 +315,7 @@ class ToolEnv(gym.Env):
         kept = conv.add_assistant(ids, logprobs=turn.logprobs, finish_reason=turn.finish_reason)
         return kept.text, kept.finish_reason
 
-    def _parse(self, text: str, finish: str) -> tuple[Any, dict[str, Any]]:
+    def _parse(self, text: str, finish: str) -> tuple[Any, StepInfo]:
         """The turn's tool calls and parse errors, recorded as the assistant message's parsed view; and the step's
         first info fields."""
         parsed = self._parser.parse(text, finish)
@@ -348,8 +336,9 @@ class ToolEnv(gym.Env):
             self.messages.append(message)
         self._counts["parse_errors"] += len(parsed.errors)
         errors = [{"kind": e.kind, "message": e.message} for e in parsed.errors] if parsed.errors else []
-        info = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls, "parse_errors": errors,
-                "parse_metrics": parsed.metrics, "unencodable_chars": unencodable}
+        info: StepInfo = {"turn": self.turn, "finish_reason": finish, "tool_calls": calls, "parse_errors": errors,
+                          "parse_metrics": parsed.metrics, "unencodable_chars": unencodable, "messages": [],
+                          "step_reward": 0.0}  # the last two: set when the turn is answered
         return parsed, info
 
     def _end_before_answer(self, finish: str, parsed) -> _End | None:
@@ -365,7 +354,7 @@ class ToolEnv(gym.Env):
             return _End(False, "turn cut by its token limit")
         return None
 
-    async def _run_tools(self, parsed, info: dict) -> tuple[list[dict], float, _End | None]:
+    async def _run_tools(self, parsed, info: StepInfo) -> tuple[list[dict], float, _End | None]:
         """Run the turn's calls (parse errors are answered with their message); returns the tool messages, the
         step reward, and an end if a tool with ``on_error: end_episode`` failed."""
         calls = cap_calls(parsed.calls + parsed.errors, self.max_calls_per_turn)
@@ -417,7 +406,7 @@ class ToolEnv(gym.Env):
         else:
             self._text_rewards.append(reward)
 
-    async def _finish(self, final_text: str, end: _End, info: dict) -> float:
+    async def _finish(self, final_text: str, end: _End, info: StepInfo) -> float:
         """Score the ended episode and release its tools; returns the final reward (also in `info`)."""
         tool_rewards = await self._box.calc_rewards() if self._box is not None else {}
         answer = float(self.answer_reward(self.task, final_text))

@@ -2,15 +2,13 @@
 
 A `Conversation` builds samples turn by turn; `mt_env.batch.collate` turns them into one training batch; `render`
 draws them. Every per-token view — the loss mask, the segment kinds, the turn indices — derives from the segments,
-so they cannot disagree.
+so they cannot disagree. Where samples cross a process boundary, `mt_env.wire` sends them compactly.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-from . import packed
 
 
 class Seg(enum.IntEnum):
@@ -36,17 +34,6 @@ class Segment:
     def __len__(self) -> int:
         return self.end - self.start
 
-    def __reduce__(self):
-        # plain values, the kind as its int: loads at a third of a slotted dataclass's pickled state (see `Sample`)
-        return _segment, (int(self.kind), self.turn, self.start, self.end, self.text)
-
-
-_KINDS = {int(kind): kind for kind in Seg}
-
-
-def _segment(kind: int, turn: int, start: int, end: int, text: str) -> Segment:
-    return Segment(_KINDS.get(kind, kind), turn, start, end, text)
-
 
 @dataclass
 class Sample:
@@ -61,24 +48,14 @@ class Sample:
     segments: list[Segment] = field(default_factory=list)
     prompt_len: int = 0  #: tokens before the first sampled turn: the prompt, generation prompt included
     n_messages: int = 0  #: template messages this sample covers (for the drift check)
-    #: token-level rewards, filled by `Conversation.samples()` (a factory, not a class attribute: a loaded sample's
-    #: packed rewards are then found by `__getattr__`)
-    rewards: list[float] | None = field(default_factory=lambda: None)
+    rewards: list[float] | None = None  #: token-level rewards, filled by `Conversation.samples()`
     trainable: bool = True  #: False for failed episodes: the loss mask is then all zero
     episode_reward: float = 0.0  #: the whole episode's return (the same on every sample of the episode)
     group: int = -1  #: GRPO group, set by the collector
     episode: int = -1  #: the episode's id in the collected batch, set by the collector
 
     def __len__(self) -> int:
-        return len(packed.view(self, "ids"))
-
-    def __reduce__(self):
-        """Pickled with its per-token lists as typed arrays, loaded as arrays until first read (`mt_env.packed`):
-        records sent by env processes load at the end of a rollout, all at once, on its critical path."""
-        return packed.reduce_packed(self, ints=("ids",), floats=("logprobs", "rewards"))
-
-    def __getattr__(self, name: str):
-        return packed.unpack_attribute(self, name)  # a per-token list of a loaded sample, read for the first time
+        return len(self.ids)
 
     def kinds(self) -> list[int]:
         out: list[int] = []

@@ -35,7 +35,7 @@ from .tools import BaseTool, normalize_tools_kwargs
 
 #: verl class path -> mt_env class path. Extend it when an mt_env class can stand in for a verl one.
 TOOL_CLASS_ALIASES: dict[str, str] = {
-    "verl.tools.gsm8k_tool.Gsm8kTool": "envs.gsm8k_tool.Gsm8kTool",
+    "verl.tools.gsm8k_tool.Gsm8kTool": "envs.gsm8k.tool.Gsm8kTool",
 }
 
 _ENTRY_KEYS = ("class_name", "config", "tool_schema")

@@ -14,16 +14,8 @@ a bad call or a broken tool never raises out of the runner and never hangs an ep
         results = await box.execute_many(parsed.calls + parsed.errors)
         rewards = await box.calc_rewards()
 
-Per-tool settings, read from the tool's ``config`` (the YAML ``config:`` block):
-
-======================  =======  ============================================================================
-``timeout``             30       seconds for one ``execute`` (and for ``create``/``calc_reward``/``release``)
-``max_concurrency``     64       ``execute`` calls of this tool running at once, across all episodes
-``retries``             0        extra attempts after a `TransientToolError` or one of ``transient_errors``
-``max_response_chars``  20000    longer output is cut with a marker (the token budget cuts again later)
-``on_error``            continue ``"end_episode"`` asks the environment to end the episode when a call fails
-``isolation``           none     ``"process"`` runs the tool in a worker process that is killed at the timeout
-======================  =======  ============================================================================
+Per-tool settings come from the tool's ``config`` (the YAML ``config:`` block): ``timeout``, ``max_concurrency``,
+``retries``, ``max_response_chars``, ``on_error``, ``isolation`` — their defaults and meaning: docs/tools.md.
 
 Tools must not block the event loop: run blocking work with ``await asyncio.to_thread(...)`` (on a pool of daemon
 threads that nothing waits for), and declare tools that may block anyway, or run untrusted code, with

@@ -10,25 +10,10 @@ Each file is written whole to a temporary name and renamed (`write_records`), so
 every file either complete or absent — the directory only grows, one readable file per step. `load_trajectories`
 reads them back.
 
-One line is one episode (`FORMAT` 1)::
-
-    format, step, kind (one of `KINDS`), episode (its index in the step's batch), group (the GRPO group: the
-    task's index in the step), index (the sample within the group), task_id, prompt (the prompt's last user
-    message), reward (the episode's return), success, state, end_reason, error, stats (the env's counts: turns,
-    tool_calls, tool_errors, parse_errors, rewards),
-    finish_reasons (per turn),
-    turns: [{index, sample, start, end (its sampled tokens: samples[sample].tokens[start:end]), text,
-             finish_reason, policy_version (the weights that sampled it: the updates they had),
-             tool_calls: [{id, name, arguments}],
-             observation: [{role, name, call_id, content, error, error_kind, duration_s, reward}]}],
-    samples: [{trainable, segments: [[kind, turn, start, end], ...] (`mt_env.sample.Seg` values),
-               pieces: [the text of each token], tokens: {name: base64 of a little-endian array}}]
-
-``tokens`` holds the per-token arrays of one training sequence, named and typed as in `TOKEN_DTYPES`: ``ids``,
-``loss_mask``, ``rollout_logprobs`` and ``rewards`` always; ``old_logprobs``, ``ref_logprobs``, ``values``,
-``advantages`` and ``returns`` when the trainer computed them (training steps). They are base64 typed arrays rather
-than JSON numbers: float32 values round-trip exactly (the rollout/trainer mismatch of a token is often below 1e-4)
-and a browser decodes them without parsing numbers (`mt_env.view`).
+One line is one episode (`FORMAT` 1): its step, kind, episode/group/index, task, reward, success, end, the env's
+counts, its turns (text, finish reason, the weights that sampled it, tool calls and their observations) and its
+training samples (segments, each token's text, and the per-token arrays of `TOKEN_DTYPES` as base64 little-endian
+arrays, so float32 values round-trip exactly). Every field: docs/viewer.md ("The file format").
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class ModelTurn:
     Attributes:
         ids: the sampled token ids, verbatim (the stop token last when generation stopped on it); None for a turn
             given as `text`.
-        logprobs: one per id: ``log_softmax(logits / temperature)`` of the sampled token (see `agents.policy`), or
+        logprobs: one per id: ``log_softmax(logits / temperature)`` of the sampled token (see `agents.backend`), or
             None when unknown.
         finish_reason: one of `FINISH_REASONS`.
         meta: backend details, e.g. timings (``queue_s``, ``generate_s``) and token counts.

@@ -34,10 +34,33 @@ from .env import ToolEnv
 
 
 class ToolVectorEnv(VectorEnv):
-    """Args:
+    """N `ToolEnv`s stepped concurrently in one event loop (see the module docstring).
+
+    Args:
         env_fns: callables creating the envs, or
         env_id: a registered id, with `num_envs` and `env_kwargs` for `gym.make`.
         autoreset_mode: an `AutoresetMode` (or its value, e.g. ``"SameStep"``); default ``NEXT_STEP``.
+
+    Example (text mode, no tokenizer; `gym.make_vec` builds a `ToolVectorEnv` for mt_env's ids)::
+
+        >>> import gymnasium as gym
+        >>> import mt_env  # registers the envs
+        >>> envs = gym.make_vec("Calculator-v0", num_envs=2)
+        >>> envs
+        ToolVectorEnv(Calculator-v0, num_envs=2)
+        >>> obs, infos = envs.reset(seed=42)
+        >>> print(obs["text"][0])
+        system: Use the calculator tool, then give the answer.
+        <BLANKLINE>
+        user: What is 180 * 796?
+        >>> call = '<tool_call>{"name": "calculator", "arguments": {"expression": "180 * 796"}}</tool_call>'
+        >>> obs, rewards, terminations, truncations, infos = envs.step([call, "I do not know."])
+        >>> obs["text"], rewards, terminations
+        (('tool: 143280', ''), array([0., 0.]), array([False,  True]))
+        >>> obs, rewards, terminations, truncations, infos = envs.step(["It is 143280.", "(ignored: a reset)"])
+        >>> rewards, terminations, infos["end_reason"], infos["_end_reason"]
+        (array([1., 0.]), array([ True, False]), array(['answered', None], dtype=object), array([ True, False]))
+        >>> envs.close()
     """
 
     metadata = {"autoreset_mode": AutoresetMode.NEXT_STEP, "render_modes": ["ansi", "html"]}

@@ -113,10 +113,10 @@ def _free_port() -> int:
 
 
 def _pair_with_a_dead_engine(rank: int, port: int, out: str) -> None:
-    """Both ends of the link; the generator's engine is closed, so its first rollout raises PolicyError."""
+    """Both ends of the link; the generator's engine is closed, so its first rollout raises BackendError."""
     from accelerate import Accelerator
 
-    from agents.policy import PolicyError
+    from agents.backend import BackendError
     from trainers.async_rollout import GeneratorError, RemoteRollouts, open_link, serve
     from trainers.modeling import PolicyModel
     from trainers.rollouts import make_rollouts
@@ -144,7 +144,7 @@ def _pair_with_a_dead_engine(rank: int, port: int, out: str) -> None:
         try:
             serve(rollouts, link, lm)
             outcome = "no error"
-        except PolicyError as e:
+        except BackendError as e:
             outcome = f"raised {type(e).__name__}: {e}"
     Path(out, f"rank{rank}.txt").write_text(outcome)
     link.close()
@@ -157,8 +157,8 @@ def test_a_generator_failure_reaches_the_trainer(tmp_path):
 
     torch.multiprocessing.spawn(_pair_with_a_dead_engine, args=(_free_port(), str(tmp_path)), nprocs=2)
     trainer, generator = ((tmp_path / f"rank{k}.txt").read_text() for k in (0, 1))
-    assert trainer.startswith("the generator process failed") and "PolicyError" in trainer and "closed" in trainer
-    assert generator.startswith("raised PolicyError")
+    assert trainer.startswith("the generator process failed") and "BackendError" in trainer and "closed" in trainer
+    assert generator.startswith("raised BackendError")
 
 
 # --------------------------------------------------------------------------------------------- learning

@@ -332,13 +332,13 @@ def test_a_run_where_nothing_trains_stops_with_the_cause(tmp_path, capsys):
 def test_failed_episodes_are_named_as_the_cause():
     from agents.rollout import EpisodeId, EpisodeRecord, EpisodeState
 
-    failed = [EpisodeRecord(EpisodeId(0, i), EpisodeState.FAILED, error="PolicyError: generation timed out")
+    failed = [EpisodeRecord(EpisodeId(0, i), EpisodeState.FAILED, error="BackendError: generation timed out")
               for i in range(4)]
     guard = EmptySteps(limit=2)
     guard.add(5, {"rollout/episodes": 4, "rollout/failed": 4, "rollout/skipped": 0}, failed)
     guard.add(7, {"rollout/episodes": 4, "rollout/failed": 4, "rollout/skipped": 0}, failed)  # not in a row
     with pytest.raises(NothingTrains, match=r"steps 7-8 trained nothing: of 4 episodes per step, 0 were skipped and 4 "
-                                            r"failed \(e.g. PolicyError: generation timed out\)"):
+                                            r"failed \(e.g. BackendError: generation timed out\)"):
         guard.add(8, {"rollout/episodes": 4, "rollout/failed": 4, "rollout/skipped": 0}, failed)
 
 

@@ -28,16 +28,17 @@ def one_line(stderr: str) -> str:
 
 
 @pytest.mark.parametrize("command, status, message", [
-    (["-m", "envs.gsm8k_tool", "--prepare", "/no/such/gsm8k", "--out", "rows.jsonl"], 1,
+    (["-m", "envs.gsm8k.data", "--prepare", "/no/such/gsm8k", "--out", "rows.jsonl"], 1,
      "error: GSM8K data not found at /no/such/gsm8k: pass data_path="),
     ([ROOT / "trainers/export.py", "/no/such/run", "exported"], 2,
      "error: no checkpoint or run directory at /no/such/run"),
     ([ROOT / "benchmarks/bench_rollout_host.py", "--data", "/no/such/gsm8k"], 1,
      "error: GSM8K data not found at /no/such/gsm8k: "),
 ])
-def test_a_command_prints_its_error_as_one_line(tmp_path, command, status, message):
-    proc = subprocess.run([sys.executable, *command], cwd=tmp_path, env=subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+def test_a_command_prints_its_error_as_one_line(tmp_path, tmp_path_factory, command, status, message):
+    results = tmp_path_factory.mktemp("results")  # a benchmark's log goes here, not over the checkout's record
+    proc = subprocess.run([sys.executable, *command], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env=subprocess_env(MT_ENV_RESULTS=str(results)))
     assert proc.returncode == status
     line = one_line(proc.stderr)
     assert line.startswith(message), line

@@ -54,17 +54,17 @@ def _shard(module, mesh):
 
 
 def _generate(lm, prompts, max_new_tokens):
-    from agents.hf_policy import HFPolicy
-    from agents.policy import SamplingParams
+    from agents.hf_backend import HFBackend
+    from agents.backend import SamplingParams
 
-    policy = HFPolicy(lm, max_batch_size=4, seed=0)
+    backend = HFBackend(lm, max_batch_size=4, seed=0)
     params = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
 
     async def all_of_them():
         try:
-            return await asyncio.gather(*(policy.generate(p, params) for p in prompts))
+            return await asyncio.gather(*(backend.generate(p, params) for p in prompts))
         finally:
-            await policy.close()
+            await backend.close()
 
     return asyncio.run(all_of_them())
 

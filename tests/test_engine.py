@@ -1,4 +1,4 @@
-"""The paged engine (`agents.engine`) against HFPolicy's transformers path, on tiny random Qwen2, Qwen3 and Llama
+"""The paged engine (`agents.engine`) against HFBackend's transformers path, on tiny random Qwen2, Qwen3 and Llama
 models: same tokens and logprobs, rows joining and leaving, slot compaction and reuse, cancellation, memory
 release, reallocated weights, fallbacks; overlapped steps (the tokens of one step at a time, the wasted row-steps
 counted) and the worker's switch interval; the sampler's arithmetic; property tests of the slot bookkeeping. The
@@ -36,13 +36,13 @@ from agents.engine.layers import COMPILED_FUNCTIONS, STEP_FUNCTIONS
 from agents.engine.model_runner import ModelRunner, PrefillRow, prefill_graph_key, prefill_width
 from agents.engine.sampler import SAMPLING_MODES, RowSampling, sample_tokens
 from agents.engine.scheduler import SlotTable, batch_buckets, bucket_for
-from agents.hf_policy import SERVING_SWITCH_INTERVAL_S, HFPolicy
-from agents.policy import GenerationError, PolicyError, SamplingParams
+from agents.backend import BackendError, GenerationError, SamplingParams
+from agents.hf_backend import SERVING_SWITCH_INTERVAL_S, HFBackend
 
-from .test_policy_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
+from .test_backend_hf import DEVICE, GREEDY, VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
 FAST = dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False)
-DEFAULT_FAST = dict(fast_path=True)  #: as HFPolicy runs it by default: on CUDA compiled and in CUDA graphs
+DEFAULT_FAST = dict(fast_path=True)  #: as HFBackend runs it by default: on CUDA compiled and in CUDA graphs
 TRANSFORMERS = dict(fast_path=False)
 LOGPROB_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
@@ -76,10 +76,10 @@ PROMPTS = [[1, 2, 3, 4], [7] * 9, [300, 5], list(range(20, 57)), [11], [4, 8, 15
 
 
 async def generate_together(model, prompts, params, **kwargs):
-    """Generate for `prompts` concurrently on one policy; returns the generations and the policy's stats."""
-    async with HFPolicy(model, **kwargs) as policy:
-        gens = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
-        return gens, dict(policy.stats)
+    """Generate for `prompts` concurrently on one backend; returns the generations and the backend's stats."""
+    async with HFBackend(model, **kwargs) as backend:
+        gens = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params)))
+        return gens, dict(backend.stats)
 
 
 def each_alone(model, prompts, params):
@@ -123,14 +123,14 @@ def test_rows_joining_and_leaving_get_what_they_get_alone(arch_model):
     prompts = PROMPTS[:5]
 
     async def main():
-        async with HFPolicy(arch_model, **FAST) as policy:  # admitted at the next boundary
+        async with HFBackend(arch_model, **FAST) as backend:  # admitted at the next boundary
             tasks = []
             for p, q in zip(prompts, params):
-                tasks.append(asyncio.create_task(policy.generate(p, q)))
-                passes = policy.stats["decode_passes"]
-                while policy.stats["decode_passes"] < passes + 3:  # the next one arrives 3 steps later
+                tasks.append(asyncio.create_task(backend.generate(p, q)))
+                passes = backend.stats["decode_passes"]
+                while backend.stats["decode_passes"] < passes + 3:  # the next one arrives 3 steps later
                     await asyncio.sleep(0.001)
-            return await asyncio.gather(*tasks), dict(policy.stats)
+            return await asyncio.gather(*tasks), dict(backend.stats)
 
     together, stats = run(main())
     alone = each_alone(arch_model, prompts, params)
@@ -146,14 +146,14 @@ def test_arrivals_are_admitted_at_the_next_step_boundary_and_get_what_they_get_a
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 
     async def main():
-        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, **FAST) as policy:
-            tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
+        async with HFBackend(model, max_batch_size=8, gather_window_s=0.2, **FAST) as backend:
+            tasks = [asyncio.create_task(backend.generate(p, q)) for p, q in zip(prompts[:4], params[:4])]
             for p, q in zip(prompts[4:], params[4:]):
-                passes = policy.stats["decode_passes"]
-                while policy.stats["decode_passes"] < passes + 1:  # the next one arrives at least a step later
+                passes = backend.stats["decode_passes"]
+                while backend.stats["decode_passes"] < passes + 1:  # the next one arrives at least a step later
                     await asyncio.sleep(0.001)
-                tasks.append(asyncio.create_task(policy.generate(p, q)))
-            return await asyncio.gather(*tasks), dict(policy.stats)
+                tasks.append(asyncio.create_task(backend.generate(p, q)))
+            return await asyncio.gather(*tasks), dict(backend.stats)
 
     at_once, stats = run(main())
     assert_same(at_once, each_alone(model, prompts, params))
@@ -191,10 +191,10 @@ def test_arrivals_during_a_prefill_pass_join_the_requests_still_waiting_for_one(
     prompts = [[(5 * i + j) % VOCAB for j in range(10 + i % 5)] for i in range(12)]  # one width: 16
 
     async def main():
-        async with HFPolicy(model, max_batch_size=16, gather_window_s=0.05, **FAST) as policy:
-            tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[:6], params[:6])]
+        async with HFBackend(model, max_batch_size=16, gather_window_s=0.05, **FAST) as backend:
+            tasks = [asyncio.create_task(backend.generate(p, q)) for p, q in zip(prompts[:6], params[:6])]
             await asyncio.to_thread(started.wait, 30)
-            tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts[6:], params[6:])]
+            tasks += [asyncio.create_task(backend.generate(p, q)) for p, q in zip(prompts[6:], params[6:])]
             await asyncio.sleep(0.1)  # queued while the first pass runs
             release.set()
             return await asyncio.gather(*tasks)
@@ -213,8 +213,8 @@ def test_a_gather_ends_once_the_waiting_fill_a_prefill_pass(model, monkeypatch):
     prompts = [[(3 * i + j) % VOCAB for j in range(9 + i)] for i in range(4)]  # one width: 16
 
     async def main():
-        async with HFPolicy(model, max_batch_size=16, gather_window_s=60, **FAST) as policy:
-            tasks = [asyncio.create_task(policy.generate(p, q)) for p, q in zip(prompts, params)]
+        async with HFBackend(model, max_batch_size=16, gather_window_s=60, **FAST) as backend:
+            tasks = [asyncio.create_task(backend.generate(p, q)) for p, q in zip(prompts, params)]
             assert await asyncio.to_thread(started.wait, 30), "no prefill pass within 30 s: the gather went on"
             return await asyncio.gather(*tasks)
 
@@ -232,14 +232,14 @@ def test_arrivals_that_outnumber_the_decoding_rows_are_gathered_into_one_prefill
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
 
     async def main():
-        async with HFPolicy(model, max_batch_size=8, gather_window_s=1.0, **FAST) as policy:
-            tasks = [asyncio.create_task(policy.generate(prompts[0], params[0]))]
-            while policy.stats["decode_passes"] < 1:
+        async with HFBackend(model, max_batch_size=8, gather_window_s=1.0, **FAST) as backend:
+            tasks = [asyncio.create_task(backend.generate(prompts[0], params[0]))]
+            while backend.stats["decode_passes"] < 1:
                 await asyncio.sleep(0.001)
             for p, q in zip(prompts[1:], params[1:]):
-                tasks.append(asyncio.create_task(policy.generate(p, q)))
+                tasks.append(asyncio.create_task(backend.generate(p, q)))
                 await asyncio.sleep(0.005)  # several decode steps of the tiny model apart
-            return await asyncio.gather(*tasks), dict(policy.stats)
+            return await asyncio.gather(*tasks), dict(backend.stats)
 
     together, stats = run(main())
     alone = each_alone(model, prompts, params)
@@ -266,12 +266,12 @@ def test_a_reused_slot_does_not_see_its_previous_rows_cache(model):
     filled beyond the new prompt must stay invisible."""
 
     async def main():
-        async with HFPolicy(model, max_batch_size=1, **FAST) as policy:
-            doomed = asyncio.create_task(policy.generate(list(range(30, 70)), SamplingParams(max_new_tokens=300)))
-            while policy.stats["decode_passes"] < 20:
+        async with HFBackend(model, max_batch_size=1, **FAST) as backend:
+            doomed = asyncio.create_task(backend.generate(list(range(30, 70)), SamplingParams(max_new_tokens=300)))
+            while backend.stats["decode_passes"] < 20:
                 await asyncio.sleep(0.001)
             doomed.cancel()
-            return [await policy.generate(p, SamplingParams(temperature=0, max_new_tokens=12)) for p in PROMPTS[:3]]
+            return [await backend.generate(p, SamplingParams(temperature=0, max_new_tokens=12)) for p in PROMPTS[:3]]
 
     for prompt, g in zip(PROMPTS, run(main())):
         assert g.ids == greedy_by_hand(model, prompt, 12)
@@ -285,14 +285,14 @@ def test_a_failed_pass_clears_its_slots():
     saved = weight.detach().clone()
 
     async def main():
-        async with HFPolicy(model, max_batch_size=1, **FAST) as policy:
+        async with HFBackend(model, max_batch_size=1, **FAST) as backend:
             with torch.no_grad():
                 weight.fill_(math.nan)
             with pytest.raises(GenerationError, match="NaN"):
-                await policy.generate(list(range(1, 40)), SamplingParams(max_new_tokens=5))
+                await backend.generate(list(range(1, 40)), SamplingParams(max_new_tokens=5))
             with torch.no_grad():
                 weight.copy_(saved)
-            return await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+            return await backend.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
 
     assert run(main()).ids == greedy_by_hand(model, PROMPTS[0], 12)
 
@@ -361,7 +361,7 @@ def test_the_switch_interval_is_lowered_while_a_worker_serves_and_restored_after
         return sys.getswitchinterval()
 
     async def main():
-        async with HFPolicy(model, **FAST) as first, HFPolicy(model, **FAST) as second:
+        async with HFBackend(model, **FAST) as first, HFBackend(model, **FAST) as second:
             # each engine's cache first (on CUDA its allocation captures graphs: the long row could end meanwhile)
             await asyncio.gather(first.generate(PROMPTS[0], GREEDY), second.generate(PROMPTS[1], GREEDY))
             seen = [await idle()]
@@ -395,19 +395,19 @@ def test_hundreds_of_rows_joining_leaving_and_compacting_get_what_they_get_alone
 
     async def main(**path):
         # arrivals admitted at the next step boundary: the third wave takes the slots as they free up
-        async with HFPolicy(model, max_batch_size=256, max_context_len=128, **path) as policy:
+        async with HFBackend(model, max_batch_size=256, max_context_len=128, **path) as backend:
             tasks = []
             for wave in range(0, 300, 100):
-                tasks += [asyncio.create_task(policy.generate(p, q)) for p, q in
+                tasks += [asyncio.create_task(backend.generate(p, q)) for p, q in
                           zip(prompts[wave:wave + 100], params[wave:wave + 100])]
-                passes = policy.stats["decode_passes"]
-                while policy.stats["decode_passes"] < passes + 3:
+                passes = backend.stats["decode_passes"]
+                while backend.stats["decode_passes"] < passes + 3:
                     await asyncio.sleep(0.001)
                 for i in doomed & set(range(wave, wave + 100)):
                     tasks[i].cancel()
             gens = await asyncio.gather(*tasks, return_exceptions=True)
-            lengths = await policy._in_worker(policy._engine.runner.slot_lengths) if policy.fast_path else []
-            return gens, dict(policy.stats), lengths
+            lengths = await backend._in_worker(backend._engine.runner.slot_lengths) if backend.fast_path else []
+            return gens, dict(backend.stats), lengths
 
     fast, stats, lengths = run(main(**FAST), timeout=300)
     serial, serial_stats, serial_lengths = run(main(**FAST, overlap_steps=False), timeout=300)
@@ -429,21 +429,21 @@ def test_release_and_resume_memory(model):
     expected = 2 * len(layout.layers) * blocks * 16 * layout.kv_heads * layout.head_dim * 4  # float32
 
     async def main():
-        async with HFPolicy(model, max_batch_size=4, **FAST) as policy:
-            sizes = [policy.kv_cache_bytes]  # allocated on first use
-            await policy.resume_memory()
-            sizes.append(policy.kv_cache_bytes)
-            first = await policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, seed=1))
-            await policy.release_memory()
-            sizes.append(policy.kv_cache_bytes)
-            running = asyncio.create_task(policy.generate(PROMPTS[1], SamplingParams(max_new_tokens=400)))
-            while policy.stats["decode_passes"] < 15:
+        async with HFBackend(model, max_batch_size=4, **FAST) as backend:
+            sizes = [backend.kv_cache_bytes]  # allocated on first use
+            await backend.resume_memory()
+            sizes.append(backend.kv_cache_bytes)
+            first = await backend.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, seed=1))
+            await backend.release_memory()
+            sizes.append(backend.kv_cache_bytes)
+            running = asyncio.create_task(backend.generate(PROMPTS[1], SamplingParams(max_new_tokens=400)))
+            while backend.stats["decode_passes"] < 15:
                 await asyncio.sleep(0.001)
-            with pytest.raises(PolicyError, match="in flight"):
-                await policy.release_memory()
+            with pytest.raises(BackendError, match="in flight"):
+                await backend.release_memory()
             await running
-            again = await policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, seed=1))
-            return sizes + [policy.kv_cache_bytes], first, again
+            again = await backend.generate(PROMPTS[0], SamplingParams(max_new_tokens=10, seed=1))
+            return sizes + [backend.kv_cache_bytes], first, again
 
     sizes, first, again = run(main())
     assert sizes == [0, expected, 0, expected]
@@ -452,11 +452,11 @@ def test_release_and_resume_memory(model):
 
 def test_max_context_len_bounds_prompt_and_generation(model):
     async def main():
-        async with HFPolicy(model, max_context_len=16, **FAST) as policy:
-            assert policy.max_context_len == 16
+        async with HFBackend(model, max_context_len=16, **FAST) as backend:
+            assert backend.max_context_len == 16
             with pytest.raises(ValueError, match="no room.*16 tokens"):
-                await policy.generate(list(range(1, 17)), SamplingParams(max_new_tokens=4))
-            return await policy.generate(list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=20))
+                await backend.generate(list(range(1, 17)), SamplingParams(max_new_tokens=4))
+            return await backend.generate(list(range(1, 11)), SamplingParams(temperature=0, max_new_tokens=20))
 
     g = run(main())
     assert g.finish_reason == "length" and g.ids == greedy_by_hand(model, list(range(1, 11)), 6)
@@ -469,19 +469,19 @@ def test_reallocated_parameters_are_noticed(change):
     model = tiny_model(seed=9)
 
     async def main():
-        async with HFPolicy(model, **FAST) as policy:
-            before = await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+        async with HFBackend(model, **FAST) as backend:
+            before = await backend.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
             with torch.no_grad():
                 model.lm_head.weight.add_(torch.randn_like(model.lm_head.weight))  # in place: not a reallocation
-            mid = await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
-            counts = [policy.stats["module_reallocations"]]
+            mid = await backend.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+            counts = [backend.stats["module_reallocations"]]
             if change == "assign":
                 fresh = {k: torch.randn_like(v) * 0.05 for k, v in model.state_dict().items()}
                 model.load_state_dict(fresh, assign=True)
             else:
                 model.to(torch.float64)
-            after = await policy.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
-            return before, mid, after, counts + [policy.stats["module_reallocations"]]
+            after = await backend.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12))
+            return before, mid, after, counts + [backend.stats["module_reallocations"]]
 
     before, mid, after, counts = run(main())
     assert counts == [0, 1]
@@ -507,7 +507,7 @@ def test_unsupported_modules_fall_back_with_the_reason(reason):
     module = unsupported_models()[reason].to(DEVICE).eval()
 
     async def main():
-        async with HFPolicy(module, max_batch_size=2) as auto:
+        async with HFBackend(module, max_batch_size=2) as auto:
             g = await auto.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))
             return auto.fast_path, auto.fast_path_reason, g
 
@@ -515,13 +515,13 @@ def test_unsupported_modules_fall_back_with_the_reason(reason):
     assert not fast and why.startswith("off: ") and reason in why
     assert g.ids == greedy_by_hand(module, [1, 2, 3], 5)
     with pytest.raises(ValueError, match=f"fast_path=True, but the module cannot take it: .*{reason}"):
-        HFPolicy(module, fast_path=True)
+        HFBackend(module, fast_path=True)
 
 
 def test_auto_takes_the_fast_path_on_cuda_only(model):
     async def main():
-        async with HFPolicy(model) as policy:
-            return policy.fast_path, policy.fast_path_reason
+        async with HFBackend(model) as backend:
+            return backend.fast_path, backend.fast_path_reason
 
     fast, why = run(main())
     assert fast == (DEVICE == "cuda")
@@ -536,7 +536,7 @@ def test_auto_takes_the_fast_path_on_cuda_only(model):
                                              (dict(max_cache_len=64), "max_cache_len")])
 def test_bad_fast_path_arguments_are_rejected(model, kwargs, message):
     with pytest.raises((ValueError, TypeError), match=message):
-        HFPolicy(model, **kwargs)
+        HFBackend(model, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------- the sampler
@@ -858,7 +858,7 @@ def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for
 
 
 @CPU_INDUCTOR
-def test_a_policy_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
+def test_a_backend_with_a_compiled_step_gives_the_transformers_paths_output(fresh_compilations, arch_model):
     params = MIXES["mixed"]
     fast, stats = run(generate_together(arch_model, PROMPTS, params, fast_path=True, compile=True), timeout=600)
     reference, _ = run(generate_together(arch_model, PROMPTS, params, **TRANSFORMERS))

@@ -14,8 +14,11 @@ from gymnasium.utils.env_checker import check_env
 
 import mt_env  # noqa: F401  (registers the envs)
 from envs.calculator import CalculatorEnv
-from envs.gsm8k_tool import GSM8kToolEnv, Gsm8kTool, extract_final_answer, make_row
+from envs.gsm8k.data import make_row
+from envs.gsm8k.env import GSM8kToolEnv
+from envs.gsm8k.tool import Gsm8kTool, extract_final_answer
 from mt_env.errors import MtEnvError
+from mt_env.info import ResetInfo, StepInfo, ToolReport
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.sample import Seg
 from mt_env.tools import BaseTool
@@ -74,6 +77,24 @@ def test_text_episode_end_to_end():
     assert info["final_reward"] == 1.0 and info["episode"]["tool_calls"] == 1 and info["end_reason"] == "answered"
     with pytest.raises(ResetNeeded):
         env.step("again")
+
+
+@pytest.mark.parametrize("tokenizer", [None, "offline:qwen2.5"])
+def test_info_dicts_hold_the_keys_their_typed_dicts_name(tokenizer):
+    """`ResetInfo` and `StepInfo` say what `reset` and `step` return: every required key on every step, the tool
+    keys on a step that called tools, the end keys on the last step, and no key they do not name."""
+    env = gym.make("Calculator-v0", tokenizer=tokenizer).unwrapped
+    _, info = env.reset(seed=0)
+    assert set(info) == ResetInfo.__required_keys__ and not ResetInfo.__optional_keys__
+    turns = env.demonstration(env.task, np.random.default_rng(0))[::2]
+    infos = [env.step(text)[4] for text in turns]
+    tool_keys = {"tool_results", "tool_errors"}
+    end_keys = StepInfo.__optional_keys__ - tool_keys
+    for i, info in enumerate(infos):
+        assert StepInfo.__required_keys__ <= set(info) <= StepInfo.__required_keys__ | StepInfo.__optional_keys__
+        assert (tool_keys <= set(info)) == bool(info["tool_calls"] or info["parse_errors"])
+        assert set(info) & end_keys == (end_keys if i == len(infos) - 1 else set())
+    assert infos[0]["tool_results"][0].keys() == ToolReport.__required_keys__
 
 
 def test_token_episode_gives_template_deltas_and_training_samples(qwen25):
@@ -263,7 +284,7 @@ def test_token_budget_truncates(qwen25):
 
 
 # --------------------------------------------------------------------------------------------- GSM8K
-def test_gsm8k_tool_scores_penalizes_repeats_and_interaction_asks_again():
+def test_calc_gsm8k_reward_scores_penalizes_repeats_and_interaction_asks_again():
     row = make_row("Tom has 3 apples and buys 4 more. How many?", "3+4=7\n#### 7", 0)
     env = GSM8kToolEnv(data_path=gsm8k_dir(), interaction=True)
     obs, info = env.reset(options={"task": row})

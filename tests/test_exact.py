@@ -19,15 +19,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCau
 from agents import exact
 from agents.engine import EngineConfig
 from agents.engine.sampler import sample_tokens
-from agents.hf_policy import HFPolicy
-from agents.policy import SamplingParams
+from agents.hf_backend import HFBackend
+from agents.backend import SamplingParams
 from mt_env.batch import TrainBatch
 from trainers import algos
 from trainers.config import Config, ConfigError, validate
 from trainers.modeling import PolicyModel, _exact_kwargs
 from trainers.ppo import Models, score
 
-from .test_policy_hf import DEVICE, one_cpu_thread  # noqa: F401  (one intra-op thread for tiny matmuls)
+from .test_backend_hf import DEVICE, one_cpu_thread  # noqa: F401  (one intra-op thread for tiny matmuls)
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -58,9 +58,9 @@ def params_of(n: int, temperature: float = 1.0, new: int = 16) -> list[SamplingP
 
 def generate(model, prompts, params, **options):
     async def main():
-        async with HFPolicy(model, seed=0, **ENGINE, **options) as policy:
-            turns = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
-            return turns, dict(policy.stats)
+        async with HFBackend(model, seed=0, **ENGINE, **options) as backend:
+            turns = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params)))
+            return turns, dict(backend.stats)
 
     return asyncio.run(asyncio.wait_for(main(), 60))
 
@@ -171,10 +171,10 @@ def test_a_cached_prefix_changes_no_bit(model):
     params = params_of(len(second))
 
     async def both_turns(prefix_cache: bool):
-        async with HFPolicy(model, seed=0, exact=True, prefix_cache=prefix_cache, **ENGINE) as policy:
-            await asyncio.gather(*(policy.generate(p, q) for p, q in zip(first, params_of(4))))
-            out = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(second, params)))
-            return out, dict(policy.stats)
+        async with HFBackend(model, seed=0, exact=True, prefix_cache=prefix_cache, **ENGINE) as backend:
+            await asyncio.gather(*(backend.generate(p, q) for p, q in zip(first, params_of(4))))
+            out = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(second, params)))
+            return out, dict(backend.stats)
 
     cached, stats = asyncio.run(both_turns(True))
     plain, plain_stats = asyncio.run(both_turns(False))
@@ -255,7 +255,7 @@ def test_settings_that_cannot_be_exact_are_refused(model):
     with pytest.raises(ValueError, match="compile"):
         EngineConfig(exact=True, compile=True)
     with pytest.raises(ValueError, match="fast_path=False"):
-        HFPolicy(model, exact=True, fast_path=False)
+        HFBackend(model, exact=True, fast_path=False)
     cfg = Config()
     cfg.model.preset, cfg.rollout.exact_logprobs, cfg.trainer.compile = "qwen2.5-0.5b", True, True
     with pytest.raises(ConfigError, match="exact_logprobs"):

@@ -23,7 +23,7 @@ WORK_LIMIT_S = 600  # to END: starting interpreters and env processes on a busy 
 ENV_PROCESSES = """
 import functools
 from agents.rollout_processes import ProcessRolloutDriver
-from agents.scripted import ScriptedPolicy
+from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
 from mt_env import offline_tokenizer
 
@@ -31,7 +31,7 @@ def main():
     tokenizer = offline_tokenizer("qwen2.5")
     answer = tokenizer.encode("The answer is 6.", add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     make_env = functools.partial(CalculatorEnv, tokenizer="offline:qwen2.5")
-    drivers = [ProcessRolloutDriver(make_env, ScriptedPolicy(lambda prompt: answer), processes=1) for _ in range(2)]
+    drivers = [ProcessRolloutDriver(make_env, ScriptedBackend(lambda prompt: answer), processes=1) for _ in range(2)]
     for driver in drivers:
         result = driver.run([CalculatorEnv.task_for([2, 3])], n=2)
         assert result.metrics["rollout/completed"] == 2, result.metrics

@@ -16,16 +16,10 @@ import numpy as np
 import pytest
 
 import mt_env  # noqa: F401  (registers the envs)
-from envs.gsm8k_tool import (
-    TOOL_NAME,
-    GSM8kToolEnv,
-    Gsm8kTool,
-    extract_final_answer,
-    make_row,
-    normalize_number,
-    verl_extract_answer,
-    verl_score,
-)
+from envs.gsm8k.data import make_row
+from envs.gsm8k.env import GSM8kToolEnv
+from envs.gsm8k.tool import (TOOL_NAME, Gsm8kTool, extract_final_answer, normalize_number, verl_extract_answer,
+                             verl_score)
 from mt_env.errors import ToolConfigError
 from mt_env.parsers import HermesParser, ToolCall
 from mt_env.tool_config import load_tools

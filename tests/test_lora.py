@@ -12,14 +12,14 @@ import os
 import pytest
 import torch
 
-from agents.hf_policy import HFPolicy
-from agents.policy import SamplingParams
+from agents.backend import SamplingParams
+from agents.hf_backend import HFBackend
 from trainers.config import LoraConfig, load_config
 from trainers.lora import AdaptersOff, add_lora, adapters_disabled, hf_weights, is_adapter, save_hf
 from trainers.modeling import PolicyModel, build_causal_lm
 
 from .test_checkpoints import newest
-from .test_policy_sglang import servers  # noqa: F401  (the fake SGLang servers fixture)
+from .test_backend_sglang import servers  # noqa: F401  (the fake SGLang servers fixture)
 from .test_trainer import metrics, run
 
 DEVICE = torch.device(os.environ.get("MT_ENV_TEST_DEVICE", "cpu"))
@@ -116,15 +116,15 @@ def test_sglang_servers_get_the_merged_weights_through_their_sync_path(tmp_path,
     adapted model, merged, under the plain class's names."""
     from transformers import AutoModelForCausalLM
 
-    from agents.sglang_policy import SGLangServerPolicy
+    from agents.sglang_backend import SGLangServerBackend
     from trainers.setup import sync_weights
 
     lm, _ = adapted()
     server = servers()
 
     async def main():
-        async with SGLangServerPolicy([server.url], check_health=False) as policy:
-            return await sync_weights(policy, lm, str(tmp_path))
+        async with SGLangServerBackend([server.url], check_health=False) as backend:
+            return await sync_weights(backend, lm, str(tmp_path))
 
     assert asyncio.run(main()) == "update_weights_from_disk"
     path = next(body["model_path"] for call, body in server.calls if call == "/update_weights_from_disk")
@@ -141,7 +141,7 @@ def test_the_embedded_engine_generates_through_the_adapters():
     settings = {} if DEVICE.type == "cuda" else dict(cuda_graphs=False, compile=False)
 
     async def generate(model):
-        async with HFPolicy(model, fast_path=True, **settings) as engine:
+        async with HFBackend(model, fast_path=True, **settings) as engine:
             assert engine.fast_path_reason.startswith("on:"), engine.fast_path_reason  # the fast path took it
             return await engine.generate(IDS[0].tolist(), SamplingParams(temperature=0, max_new_tokens=6))
 

@@ -16,10 +16,10 @@ from agents.engine import Engine, EngineConfig, Sequence, new_stats
 from agents.engine import config as knobs
 from agents.engine.blocks import NULL_BLOCK, BlockPool
 from agents.engine.scheduler import Scheduler
-from agents.hf_policy import HFPolicy
-from agents.policy import GenerationError, SamplingParams
+from agents.backend import GenerationError, SamplingParams
+from agents.hf_backend import HFBackend
 
-from .test_policy_hf import VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
+from .test_backend_hf import VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
 FAST = dict(fast_path=True, cuda_graphs=False, compile=False)
 
@@ -169,20 +169,20 @@ def test_a_prefill_pass_admits_shortest_first_within_the_budget_and_leaves_growt
 # ------------------------------------------------------------------------------------------------- prefix cache
 async def play(model, conversations, turns: int, samples: int = 1, **options):
     """`conversations` prompts, each played by `samples` sequences for `turns` turns (a turn: the context so far,
-    then 5 sampled tokens, then 3 observation tokens); returns each sequence's turns and the policy's stats."""
+    then 5 sampled tokens, then 3 observation tokens); returns each sequence's turns and the backend's stats."""
     options = dict(max_batch_size=64, gather_window_s=0.05) | FAST | options
-    async with HFPolicy(model, **options) as policy:
+    async with HFBackend(model, **options) as backend:
         async def episode(prompt, seed):
             context, out = list(prompt), []
             for turn in range(turns):
                 params = SamplingParams(temperature=1.0, max_new_tokens=5, seed=seed * 100 + turn)
-                generation = await policy.generate(context, params)
+                generation = await backend.generate(context, params)
                 out.append(generation)
                 context += generation.ids + [(seed + turn) % VOCAB, 9, 10]
             return out
         episodes = await asyncio.gather(*(episode(p, 10 * i + k) for i, p in enumerate(conversations)
                                           for k in range(samples)))
-        return episodes, dict(policy.stats)
+        return episodes, dict(backend.stats)
 
 
 PROMPTS = [list(range(1, 40)), [5] * 23, list(range(100, 161)), [7, 8]]
@@ -210,10 +210,10 @@ def test_a_groups_prompt_is_computed_once_in_one_pass(model):
     """Eight samples of one 37-token prompt arrive together: the first computes the prompt, the seven others only
     the tokens of its last, partial block (the pass writes before it reads)."""
     async def main():
-        async with HFPolicy(model, max_batch_size=8, gather_window_s=0.2, block_size=4, **FAST) as policy:
+        async with HFBackend(model, max_batch_size=8, gather_window_s=0.2, block_size=4, **FAST) as backend:
             params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(8)]
-            gens = await asyncio.gather(*(policy.generate(PROMPTS[0][:37], p) for p in params))
-            return gens, dict(policy.stats)
+            gens = await asyncio.gather(*(backend.generate(PROMPTS[0][:37], p) for p in params))
+            return gens, dict(backend.stats)
 
     gens, stats = run(main())
     assert stats["prefill_passes"] == 1
@@ -228,16 +228,16 @@ def test_new_weights_drop_the_cached_prefixes():
     greedy = SamplingParams(temperature=0, max_new_tokens=6)
 
     async def main():
-        async with HFPolicy(module, block_size=4, **FAST) as policy:
-            first = await policy.generate(PROMPTS[0], greedy)
+        async with HFBackend(module, block_size=4, **FAST) as backend:
+            first = await backend.generate(PROMPTS[0], greedy)
             context = PROMPTS[0] + first.ids + [3, 4]
-            cached = (await policy.generate(context, greedy)).meta["cached_tokens"]
+            cached = (await backend.generate(context, greedy)).meta["cached_tokens"]
             with torch.no_grad():
                 module.lm_head.weight.mul_(1.5)
-            after = await policy.generate(context, greedy)
-            again = (await policy.generate(context, greedy)).meta["cached_tokens"]
-            await policy.flush_cache()
-            flushed = (await policy.generate(context, greedy)).meta["cached_tokens"]
+            after = await backend.generate(context, greedy)
+            again = (await backend.generate(context, greedy)).meta["cached_tokens"]
+            await backend.flush_cache()
+            flushed = (await backend.generate(context, greedy)).meta["cached_tokens"]
             return context, cached, after, again, flushed
 
     context, cached, after, again, flushed = run(main())
@@ -264,9 +264,9 @@ def test_sequences_are_preempted_when_blocks_run_out_and_get_what_they_get_unhin
     params = [SamplingParams(temperature=1.0, max_new_tokens=60, seed=i) for i in range(16)]
 
     async def main(**options):
-        async with HFPolicy(model, max_batch_size=16, block_size=4, **FAST, **options) as policy:
-            gens = await asyncio.gather(*(policy.generate(p, q) for p, q in zip(prompts, params)))
-            return gens, dict(policy.stats), policy._engine.pool.held
+        async with HFBackend(model, max_batch_size=16, block_size=4, **FAST, **options) as backend:
+            gens = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params)))
+            return gens, dict(backend.stats), backend._engine.pool.held
 
     roomy, roomy_stats, _ = run(main(kv_blocks=1000), timeout=120)
     tight, stats, held = run(main(kv_blocks=60), timeout=120)
@@ -279,35 +279,35 @@ def test_sequences_are_preempted_when_blocks_run_out_and_get_what_they_get_unhin
 
 def test_a_sequence_longer_than_the_pool_fails_with_what_to_change(model):
     async def main():
-        async with HFPolicy(model, block_size=4, kv_blocks=8, **FAST) as policy:
+        async with HFBackend(model, block_size=4, kv_blocks=8, **FAST) as backend:
             with pytest.raises(ValueError, match="needs 10 KV blocks; the pool has 7: raise kv_blocks"):
-                await policy.generate(list(range(1, 40)), SamplingParams(max_new_tokens=2))
-            return await policy.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4))
+                await backend.generate(list(range(1, 40)), SamplingParams(max_new_tokens=2))
+            return await backend.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=4))
 
     assert run(main()).ids == greedy_by_hand(model, [1, 2, 3], 4)
 
 
 def test_one_sequence_that_outgrows_the_pool_fails_alone_and_leaks_nothing(model):
     async def main():
-        async with HFPolicy(model, block_size=4, kv_blocks=8, **FAST) as policy:
+        async with HFBackend(model, block_size=4, kv_blocks=8, **FAST) as backend:
             with pytest.raises(GenerationError, match="more KV blocks than the pool"):
-                await policy.generate([1, 2, 3], SamplingParams(max_new_tokens=100))
-            return policy._engine.pool.held
+                await backend.generate([1, 2, 3], SamplingParams(max_new_tokens=100))
+            return backend._engine.pool.held
 
     assert run(main()) == 0
 
 
 def test_cancelled_sequences_release_their_blocks(model):
     async def main():
-        async with HFPolicy(model, block_size=4, **FAST) as policy:
-            tasks = [asyncio.create_task(policy.generate(p, SamplingParams(max_new_tokens=300))) for p in PROMPTS]
-            while policy.stats["decode_passes"] < 5:
+        async with HFBackend(model, block_size=4, **FAST) as backend:
+            tasks = [asyncio.create_task(backend.generate(p, SamplingParams(max_new_tokens=300))) for p in PROMPTS]
+            while backend.stats["decode_passes"] < 5:
                 await asyncio.sleep(0.001)
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await policy.generate([1], SamplingParams(max_new_tokens=1))  # a step after the cancellations
-            return policy._engine.pool.held
+            await backend.generate([1], SamplingParams(max_new_tokens=1))  # a step after the cancellations
+            return backend._engine.pool.held
 
     assert run(main()) == 0
 

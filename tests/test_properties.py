@@ -10,7 +10,6 @@ from __future__ import annotations
 import pickle
 import pickletools
 import struct
-import sys
 import threading
 import unicodedata
 from array import array
@@ -20,6 +19,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mt_env import wire
 from mt_env.batch import collate, pack
 from mt_env.chat_format import ChatFormat
 from mt_env.conformance import check_template
@@ -131,24 +131,23 @@ def test_per_turn_samples_are_what_the_model_saw(fmt, plan):
 @given(plan=conversation_plan(), ids=st.lists(st.integers(-2**63, 2**63 - 1), max_size=20),
        logprobs=st.lists(st.floats(allow_nan=False) | st.sampled_from([-0.0, float("inf"), -float("inf")]),
                          max_size=20))
-def test_samples_come_back_from_a_pickle_as_they_went(fmt, plan, ids, logprobs):
-    """Samples cross processes packed (`mt_env.packed`): the same values, types and segments come back — for a real
-    conversation's samples, and for per-token lists of any 64-bit ids and floats (a list too large for int64, or a
-    nan, comes back too) — and a loaded sample holds its per-token values as arrays until they are first read."""
+def test_samples_come_back_from_the_pipe_codec_as_they_went(fmt, plan, ids, logprobs):
+    """Samples cross processes through `mt_env.wire`: plain samples with lists come back, the same values, types and
+    segments — for a real conversation's samples, and for per-token lists of any 64-bit ids and floats (a list too
+    large for int64, or a nan, comes back too). A plain pickle of a sample (no codec) is the same sample too."""
     samples = play(fmt, plan, mode="per_turn").samples()
     odd = Sample(ids=ids + [2**64], logprobs=logprobs + [float("nan")], rewards=None)
-    for sample in [*samples, odd, Sample(ids=ids, logprobs=logprobs, rewards=[1.0] * len(ids))]:
-        back = pickle.loads(pickle.dumps(sample))
-        assert type(back) is Sample and len(back) == len(sample) and back.segments == sample.segments
-        assert all(type(a) is type(b) and a.kind is b.kind for a, b in zip(back.segments, sample.segments))
-        assert ("ids" in vars(back)) == (sample is odd)  # not read yet: an array (the odd ids: a list, as they were)
-        again = pickle.loads(pickle.dumps(back))  # sent on unread
-        for name in ("ids", "logprobs", "rewards"):
-            for got in (getattr(back, name), getattr(again, name)):
-                want = getattr(sample, name)
+    tagged = Sample(ids=ids, logprobs=logprobs, rewards=[1.0] * len(ids), trainable=False, episode_reward=0.5,
+                    group=3, episode=7, prompt_len=len(ids) // 2, n_messages=2)
+    for sample in [*samples, odd, tagged]:
+        for back in (wire.loads(wire.dumps(sample)), pickle.loads(pickle.dumps(sample))):
+            assert type(back) is Sample and len(back) == len(sample) and back.segments == sample.segments
+            assert all(type(a) is type(b) and a.kind is b.kind for a, b in zip(back.segments, sample.segments))
+            for name in ("ids", "logprobs", "rewards"):
+                got, want = getattr(back, name), getattr(sample, name)
                 assert type(got) is type(want) and [type(v) for v in got or []] == [type(v) for v in want or []]
                 assert _bits(got) == _bits(want), name
-        assert sample is odd or back == sample == again  # (nan is unequal to itself)
+            assert sample is odd or back == sample  # (nan is unequal to itself)
 
 
 def _bits(values):
@@ -156,55 +155,36 @@ def _bits(values):
     return None if values is None else [struct.pack("<d", v) if type(v) is float else v for v in values]
 
 
-def test_a_pickled_sample_costs_opcodes_per_segment_not_per_token():
-    """Loading a sample is one buffer copy per per-token list: the pickle's opcodes do not grow with its tokens."""
-    def opcodes(tokens: int) -> int:
+def test_an_encoded_sample_costs_opcodes_per_segment_not_per_token():
+    """Decoding a sample is one buffer copy per per-token list: the encoding's opcodes do not grow with its tokens
+    (a plain pickle's do: one per token)."""
+    def opcodes(tokens: int, dumps) -> int:
         sample = Sample(ids=list(range(tokens)), logprobs=[-0.5] * tokens, rewards=[0.0] * tokens,
                         segments=[Segment(Seg.PROMPT, -1, 0, tokens // 2, "p"), Segment(Seg.SAMPLED, 0, tokens // 2,
                                                                                         tokens, "s")])
-        return sum(1 for _ in pickletools.genops(pickle.dumps(sample)))
+        return sum(1 for _ in pickletools.genops(dumps(sample)))
 
-    assert opcodes(10_000) <= opcodes(10) + 8  # a few more: wider ints in the segments, 64 KiB frames
+    assert opcodes(10_000, wire.dumps) <= opcodes(10, wire.dumps) + 8  # a few more: wider ints, 64 KiB frames
+    assert opcodes(10_000, pickle.dumps) > 10_000
 
 
-def test_threads_reading_a_loaded_sample_first_get_one_list():
-    """Threads that read a loaded sample's packed list at the same moment (its first read) each get its values, and
-    the same list: none finds the attribute missing between its array's removal and its list's arrival."""
-    sample = Sample(ids=list(range(2000)), logprobs=[-0.5] * 2000, segments=[Segment(Seg.SAMPLED, 0, 0, 2000, "s")])
-    blob, interval = pickle.dumps(sample), sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # threads switch as often as the interpreter can: the window is hit if it exists
-    try:
-        for _ in range(50):
-            loaded, barrier, got, errors = pickle.loads(blob), threading.Barrier(4), [], []
-
-            def read(loaded=loaded, barrier=barrier, got=got, errors=errors):
-                barrier.wait()
-                try:
-                    got.append(loaded.ids)
-                except AttributeError as e:
-                    errors.append(e)
-
-            threads = [threading.Thread(target=read) for _ in range(4)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert not errors
-            assert len(got) == 4 and all(g is got[0] for g in got) and got[0] == sample.ids
-    finally:
-        sys.setswitchinterval(interval)
+def test_the_codec_sends_whatever_else_a_message_holds_as_pickle_does():
+    """A message is any picklable object: what is not a sample or a segment comes back as pickle would bring it."""
+    message = ("finished", {"key": [1, 2.5, None, "x"], "arrays": array("i", [1, 2])}, Seg.SAMPLED)
+    assert wire.loads(wire.dumps(message)) == pickle.loads(pickle.dumps(message)) == message
+    with pytest.raises(TypeError, match="cannot pickle"):
+        wire.dumps(("finished", threading.Lock()))
 
 
 @given(plans=st.lists(conversation_plan(max_turns=3), min_size=1, max_size=4))
-def test_loaded_samples_batch_as_the_originals_without_lists(fmt, plans):
-    """`collate` reads a loaded sample's packed arrays as buffers: the same batch, and no per-token list made."""
+def test_decoded_samples_batch_as_the_originals(fmt, plans):
+    """`collate` makes the same batch of samples that crossed the pipe codec as of the originals."""
     samples = [s for plan in plans for s in play(fmt, plan, mode="per_turn").samples()]
-    loaded = pickle.loads(pickle.dumps(samples))
+    loaded = wire.loads(wire.dumps(samples))
     want, got = collate(samples, pad_token_id=0), collate(loaded, pad_token_id=0)
     for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "rewards", "rollout_logprobs",
                  "turn_ids", "group", "episode", "episode_rewards"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    assert all(not {"ids", "logprobs", "rewards"} & set(vars(s)) for s in loaded)
 
 
 def test_a_sample_holding_arrays_of_other_types_batches_as_with_lists():

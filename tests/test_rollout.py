@@ -1,5 +1,5 @@
 """The rollout driver: HF rollouts of Calculator-v0 and GSM8kTool-v0 on a tiny random model, concurrency, the episode
-state machine, failure isolation, engine death and bad policy output. Scripted policies give exact, model-free
+state machine, failure isolation, engine death and bad backend output. Scripted backends give exact, model-free
 turns; the whole file runs in seconds on CPU."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import mt_env  # noqa: F401  (registers the envs)
-from agents.hf_policy import HFPolicy
-from agents.policy import Policy, PolicyError, SamplingParams
+from agents.backend import Backend, BackendError, SamplingParams
+from agents.hf_backend import HFBackend
 from agents.rollout import EpisodeState, RolloutDriver
-from agents.scripted import ScriptedPolicy
+from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
-from envs.gsm8k_tool import load_rows
+from envs.gsm8k.data import load_rows
 from mt_env.batch import collate
 from mt_env.chat_format import ChatFormat
 from mt_env.parsers import HermesParser, ToolCall
@@ -63,10 +63,10 @@ def model(qwen25):
     return build_causal_lm(config=dict(TINY, max_position_embeddings=2048), vocab_size=len(qwen25)).eval()
 
 
-class Recording(Policy):
+class Recording(Backend):
     """Delegates to `inner` and keeps every (prompt ids, sampled ids) pair: what the driver really sent and got."""
 
-    def __init__(self, inner: Policy):
+    def __init__(self, inner: Backend):
         self.inner = inner
         self.log: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
 
@@ -140,11 +140,11 @@ def test_hf_rollout_ends_every_episode_and_builds_a_grpo_batch(env_id, qwen25, m
                           length_cut="interact")
         tasks, turns = load_rows(gsm8k_dir())[:2], 3
     n = 3
-    policy = Recording(HFPolicy(model, seed=0))
-    driver = RolloutDriver(env_id, policy, SamplingParams(max_new_tokens=8),
+    backend = Recording(HFBackend(model, seed=0))
+    driver = RolloutDriver(env_id, backend, SamplingParams(max_new_tokens=8),
                            env_kwargs=dict(env_kwargs, tokenizer=qwen25))
     result = run(driver.arun(tasks, n=n))
-    run(policy.close())
+    run(backend.close())
 
     assert all(r.state in (EpisodeState.COMPLETED, EpisodeState.TRUNCATED) and r.error is None for r in result.episodes)
     assert all(r.history[0] == "pending" and r.history[-1] == r.state.value for r in result.episodes)
@@ -152,7 +152,7 @@ def test_hf_rollout_ends_every_episode_and_builds_a_grpo_batch(env_id, qwen25, m
     assert_metrics_add_up(result, len(tasks), n)
 
     # The driver rebuilds each next context from observations; it must be exactly the env's conversation.
-    assert Counter(policy.log) == Counter(t for r in result.episodes for t in sampled_turns(r))
+    assert Counter(backend.log) == Counter(t for r in result.episodes for t in sampled_turns(r))
 
     batch = collate(result.samples, qwen25.pad_token_id)
     assert len(batch) == len(result.samples) == len(tasks) * n
@@ -174,13 +174,13 @@ def test_per_turn_episodes_generate_from_each_turns_own_context(qwen3):
     conversation's `context_ids`), and tags the samples of one episode with one group and episode."""
     env = CalculatorEnv(tokenizer=qwen3, mode="per_turn")
     env.reset(seed=0)
-    policy = Recording(ScriptedPolicy(expert(env.conversation.fmt)))
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen3, mode="per_turn"), policy)
+    backend = Recording(ScriptedBackend(expert(env.conversation.fmt)))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen3, mode="per_turn"), backend)
     result = driver.run([CalculatorEnv.task_for([12, 34, 5]), CalculatorEnv.task_for([6, 7])], n=2)
     assert all(r.state == EpisodeState.COMPLETED and r.success for r in result.episodes)
     assert [len(r.samples) for r in result.episodes] == [r.turns for r in result.episodes] == [3, 3, 2, 2]
     sent = Counter((tuple(s.ids[:s.prompt_len]), tuple(s.ids[s.prompt_len:])) for s in result.samples)
-    assert sent == Counter(policy.log)
+    assert sent == Counter(backend.log)
     for k, record in enumerate(result.episodes):
         assert {(s.group, s.episode) for s in record.samples} == {(record.id.group, k)}
 
@@ -200,7 +200,7 @@ def test_a_drifting_episode_fails_with_its_tokens_kept_untrained(qwen3):
         return made[-1]
 
     fmt = ChatFormat(qwen3)
-    driver = RolloutDriver(make_env, ScriptedPolicy(lambda prompt: turn(fmt, "<think>\nhmm\n</think>\n\nIt is 1.")))
+    driver = RolloutDriver(make_env, ScriptedBackend(lambda prompt: turn(fmt, "<think>\nhmm\n</think>\n\nIt is 1.")))
     (record,) = driver.run([CalculatorEnv.task_for([12, 34])]).episodes
     assert record.state == EpisodeState.FAILED and record.error.startswith("DriftError") and record.turns == 2
     (sample,) = record.samples
@@ -209,11 +209,11 @@ def test_a_drifting_episode_fails_with_its_tokens_kept_untrained(qwen3):
 
 
 # --------------------------------------------------------------------------------------------- concurrency
-class LoopStepLatency(Policy):
+class LoopStepLatency(Backend):
     """Delegates to `inner` after yielding to the event loop `steps(prompt)` times: latency on a virtual clock, so
     that the order of events is the same on any machine under any load. Counts the generations in flight."""
 
-    def __init__(self, inner: Policy, steps):
+    def __init__(self, inner: Backend, steps):
         self.inner, self.steps = inner, steps
         self.in_flight = self.peak_in_flight = 0
 
@@ -241,15 +241,15 @@ def test_episodes_run_concurrently_and_finish_out_of_order(qwen25, fmt):
         fresh = "<tool_response>" not in fmt.decode(prompt)
         return 210 if fresh and operands_of(fmt, prompt) == slow else 10
 
-    timed = LoopStepLatency(ScriptedPolicy(expert(fmt)), latency)
-    policy = Recording(timed)
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, max_turns=6), policy)
+    timed = LoopStepLatency(ScriptedBackend(expert(fmt)), latency)
+    backend = Recording(timed)
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, max_turns=6), backend)
     result = run(driver.arun([CalculatorEnv.task_for(ops) for ops in operands]))
 
     assert [r.state for r in result.episodes] == [EpisodeState.COMPLETED] * 5
     assert [r.turns for r in result.episodes] == [len(ops) for ops in operands]
     assert result.metrics["rollout/success_rate"] == 1.0
-    assert Counter(policy.log) == Counter(t for r in result.episodes for t in sampled_turns(r))
+    assert Counter(backend.log) == Counter(t for r in result.episodes for t in sampled_turns(r))
 
     finished = [r.finished_at for r in result.episodes]
     order = sorted(range(5), key=finished.__getitem__)
@@ -259,7 +259,7 @@ def test_episodes_run_concurrently_and_finish_out_of_order(qwen25, fmt):
 
 # --------------------------------------------------------------------------------------------- state machine
 def test_tool_calling_episode_history(qwen25, fmt):
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), ScriptedPolicy(expert(fmt)))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), ScriptedBackend(expert(fmt)))
     (record,) = driver.run([CalculatorEnv.task_for([12, 34, 5])]).episodes
     assert record.history == ["pending", "running", "tool_calling", "running", "tool_calling", "running",
                               "tool_calling", "completed"]
@@ -276,7 +276,7 @@ def prose(fmt):
     (dict(), prose, "turn cut by its token limit"),
 ])
 def test_truncated_episodes_end_truncated(qwen25, fmt, env_kwargs, script, reason):
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, **env_kwargs), ScriptedPolicy(script(fmt)),
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, **env_kwargs), ScriptedBackend(script(fmt)),
                            SamplingParams(max_new_tokens=32))
     result = driver.run([CalculatorEnv.task_for([12, 34, 5, 6])], n=2)
     for record in result.episodes:
@@ -299,18 +299,18 @@ class BrokenScoring(CalculatorEnv):
 
 
 def broken_scorer(tok, fmt):
-    return lambda: BrokenScoring(tokenizer=tok), ScriptedPolicy(expert(fmt)), {}
+    return lambda: BrokenScoring(tokenizer=tok), ScriptedBackend(expert(fmt)), {}
 
 
 def out_of_vocab(tok, fmt):
     script = expert(fmt)
     return (lambda: CalculatorEnv(tokenizer=tok),
-            ScriptedPolicy(lambda p: [len(tok) + 7] if operands_of(fmt, p) == BROKEN else script(p)), {})
+            ScriptedBackend(lambda p: [len(tok) + 7] if operands_of(fmt, p) == BROKEN else script(p)), {})
 
 
 def timeout(tok, fmt):
-    policy = ScriptedPolicy(expert(fmt), latency_s=lambda p: 30.0 if operands_of(fmt, p) == BROKEN else 0.0)
-    return lambda: CalculatorEnv(tokenizer=tok), policy, dict(generation_timeout_s=0.3)
+    backend = ScriptedBackend(expert(fmt), latency_s=lambda p: 30.0 if operands_of(fmt, p) == BROKEN else 0.0)
+    return lambda: CalculatorEnv(tokenizer=tok), backend, dict(generation_timeout_s=0.3)
 
 
 def expert_failing_on_broken(fmt, error: Exception):
@@ -325,21 +325,21 @@ def expert_failing_on_broken(fmt, error: Exception):
     return answer
 
 
-def policy_timeout(tok, fmt):
-    """The policy raises a TimeoutError of its own (a server client's request limit), well within the driver's."""
+def backend_timeout(tok, fmt):
+    """The backend raises a TimeoutError of its own (a server client's request limit), well within the driver's."""
     answer = expert_failing_on_broken(fmt, TimeoutError("the server's own request timed out"))
-    return lambda: CalculatorEnv(tokenizer=tok), ScriptedPolicy(answer), dict(generation_timeout_s=30)
+    return lambda: CalculatorEnv(tokenizer=tok), ScriptedBackend(answer), dict(generation_timeout_s=30)
 
 
 @pytest.mark.parametrize("breaker, message", [
     (broken_scorer, r"^TimeoutError: the scorer timed out on 13 \* 13$"),
-    (policy_timeout, r"^TimeoutError: the server's own request timed out$"),
+    (backend_timeout, r"^TimeoutError: the server's own request timed out$"),
     (out_of_vocab, r"outside the vocabulary"),
     (timeout, r"^generation timed out after 0.3s$"),
 ])
 def test_a_failing_episode_fails_alone_and_stays_in_the_batch(qwen25, fmt, breaker, message):
-    make_env, policy, kwargs = breaker(qwen25, fmt)
-    driver = RolloutDriver(make_env, policy, **kwargs)
+    make_env, backend, kwargs = breaker(qwen25, fmt)
+    driver = RolloutDriver(make_env, backend, **kwargs)
     result = run(driver.arun([CalculatorEnv.task_for(ops) for ops in ([12, 34], BROKEN, [56, 78])], n=2))
 
     failed = [r for r in result.episodes if r.id.group == 1]
@@ -359,7 +359,7 @@ def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):
     short = CalculatorEnv.task_for([12, 34])
     long = dict(short, prompt=[short["prompt"][0], {"role": "user", "content": "What is 12 * 34? " * 40}])
     driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, budget={"max_prompt_tokens": 300}),
-                           ScriptedPolicy(expert(fmt)), max_concurrency=1)  # one env, reused: nothing may leak
+                           ScriptedBackend(expert(fmt)), max_concurrency=1)  # one env, reused: nothing may leak
     result = driver.run([short, long, short])
     assert [r.state for r in result.episodes] == [EpisodeState.COMPLETED, EpisodeState.FAILED, EpisodeState.COMPLETED]
     skipped = result.episodes[1]
@@ -369,7 +369,7 @@ def test_over_long_prompts_are_skipped_and_counted(qwen25, fmt):
     assert len(collate(result.samples, qwen25.pad_token_id)) == 2
 
     driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, budget={"max_prompt_tokens": 10}),
-                           ScriptedPolicy(expert(fmt)))
+                           ScriptedBackend(expert(fmt)))
     result = driver.run([short], n=3)
     assert result.metrics["rollout/skipped"] == 3 and result.metrics["rollout/episodes"] == 3
     assert result.samples == []
@@ -385,7 +385,7 @@ def test_envs_are_reused_across_rollouts_and_rebuilt_after_close(qwen25, fmt):
         made.append(CalculatorEnv(tokenizer=qwen25))
         return made[-1]
 
-    driver = RolloutDriver(make_env, ScriptedPolicy(expert(fmt), latency_s=0.01), max_concurrency=2)
+    driver = RolloutDriver(make_env, ScriptedBackend(expert(fmt), latency_s=0.01), max_concurrency=2)
     tasks = [CalculatorEnv.task_for([12, 34]), CalculatorEnv.task_for([5, 6, 7])]
     for _ in range(2):
         assert run(driver.arun(tasks, n=3)).metrics["rollout/completed"] == 6
@@ -397,47 +397,47 @@ def test_envs_are_reused_across_rollouts_and_rebuilt_after_close(qwen25, fmt):
 
 
 def test_envs_without_a_tokenizer_are_refused(fmt):
-    driver = RolloutDriver(lambda: CalculatorEnv(), ScriptedPolicy(expert(fmt)))
+    driver = RolloutDriver(lambda: CalculatorEnv(), ScriptedBackend(expert(fmt)))
     with pytest.raises(TypeError, match="ToolEnv environments created with a tokenizer"):
         run(driver.arun([CalculatorEnv.task_for([12, 34])], n=2))
 
 
 # --------------------------------------------------------------------------------------------- engine death
-def test_a_dying_policy_fails_the_whole_rollout_at_once(qwen25, fmt):
-    dies_on_the_second_task = expert_failing_on_broken(fmt, PolicyError("the engine died"))
+def test_a_dying_backend_fails_the_whole_rollout_at_once(qwen25, fmt):
+    dies_on_the_second_task = expert_failing_on_broken(fmt, BackendError("the engine died"))
 
     latency = lambda p: 0.05 if operands_of(fmt, p) == BROKEN else 30.0  # noqa: E731  the others are in flight
-    policy = Recording(ScriptedPolicy(dies_on_the_second_task, latency))
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), policy)
-    with pytest.raises(PolicyError, match="the engine died"):  # not a timeout of `run`: the rollout did not wait
+    backend = Recording(ScriptedBackend(dies_on_the_second_task, latency))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), backend)
+    with pytest.raises(BackendError, match="the engine died"):  # not a timeout of `run`: the rollout did not wait
         run(driver.arun([CalculatorEnv.task_for(ops) for ops in ([12, 34], BROKEN, [56, 78])], n=2))
-    assert policy.log == []  # the generations in flight were cancelled, none finished
+    assert backend.log == []  # the generations in flight were cancelled, none finished
 
 
-def test_closing_the_hf_policy_mid_rollout_fails_the_rollout(qwen25, model):
-    policy = Recording(HFPolicy(model, seed=0))
-    driver = RolloutDriver("Calculator-v0", policy, SamplingParams(max_new_tokens=64), max_concurrency=2,
+def test_closing_the_hf_backend_mid_rollout_fails_the_rollout(qwen25, model):
+    backend = Recording(HFBackend(model, seed=0))
+    driver = RolloutDriver("Calculator-v0", backend, SamplingParams(max_new_tokens=64), max_concurrency=2,
                            env_kwargs=dict(tokenizer=qwen25))
 
     async def close_after_the_first_turn():
         rollout = asyncio.create_task(driver.arun([CalculatorEnv.task_for([12, 34])], n=8))
-        while not policy.log:
+        while not backend.log:
             await asyncio.sleep(0.005)
-        await policy.close()
+        await backend.close()
         return await rollout
 
-    with pytest.raises(PolicyError, match="closed"):  # not a timeout of `run`: the rollout stopped
+    with pytest.raises(BackendError, match="closed"):  # not a timeout of `run`: the rollout stopped
         run(close_after_the_first_turn())
 
 
-# --------------------------------------------------------------------------------------------- bad policy output
+# --------------------------------------------------------------------------------------------- bad backend output
 @pytest.mark.parametrize("finish, state, reason", [
     ("stop", EpisodeState.COMPLETED, "answered"),
     ("length", EpisodeState.TRUNCATED, "turn cut by its token limit"),
 ])
 def test_an_empty_turn_ends_the_episode_cleanly(qwen25, finish, state, reason):
-    policy = ScriptedPolicy(lambda prompt: ModelTurn([], [], finish))
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), policy)
+    backend = ScriptedBackend(lambda prompt: ModelTurn([], [], finish))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), backend)
     result = driver.run([CalculatorEnv.task_for([12, 34])], n=2)
     for record in result.episodes:
         assert (record.state, record.end_reason, record.turns, record.generated_tokens) == (state, reason, 1, 0)
@@ -453,14 +453,14 @@ def test_a_tool_call_cut_by_the_token_limit_gets_an_error_and_another_turn(qwen2
     model may try again."""
     cut_call = calculator_call("12 * 34")[:40]
     script = expert(fmt)
-    policy = Recording(ScriptedPolicy(
+    backend = Recording(ScriptedBackend(
         lambda p: fmt.encode(cut_call) if "<tool_response>" not in fmt.decode(p) else script(p)))
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, length_cut=length_cut), policy)
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, length_cut=length_cut), backend)
     (record,) = run(driver.arun([CalculatorEnv.task_for([12, 34])])).episodes
 
     assert record.finish_reasons == ["length", "stop", "stop"] and record.state == EpisodeState.COMPLETED
     assert (record.parse_errors, record.tool_errors, record.tool_calls, record.turns) == (1, 1, 2, 3)
-    second_prompt = fmt.decode(policy.log[1][0])
+    second_prompt = fmt.decode(backend.log[1][0])
     assert second_prompt.endswith(cut_call + "<|im_end|>\n<|im_start|>user\n<tool_response>\nError: the tool call "
                                   "was cut off before <\u200b/tool_call> (the turn hit its token limit)\n"
                                   "</tool_response><|im_end|>\n<|im_start|>assistant\n")

@@ -1,6 +1,6 @@
 """ProcessRolloutDriver: the env work in spawned processes gives what one RolloutDriver gives with the same seed
-(scripted and HF policies, GRPO groups), with the same failure rules — an episode failing in an env process, a
-dying policy, a generation timeout — and a dead env process reported by its exit code, never a hang.
+(scripted and HF backends, GRPO groups), with the same failure rules — an episode failing in an env process, a
+dying backend, a generation timeout — and a dead env process reported by its exit code, never a hang.
 
 Starting an env process costs seconds (a fresh interpreter importing the envs and their tokenizer), so most tests
 share one driver, and the module is one xdist group (its processes are started once)."""
@@ -17,12 +17,13 @@ import threading
 
 import pytest
 
-from agents.hf_policy import HFPolicy
-from agents.policy import Policy, PolicyError, SamplingParams
+from agents.backend import Backend, BackendError, SamplingParams
+from agents.hf_backend import HFBackend
 from agents.rollout import EpisodeState, RolloutDriver, episode_ids
-from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver, RemotePolicy, _EnvProcess, _serve_share
-from agents.scripted import ScriptedPolicy
+from agents.rollout_processes import EnvProcessError, ProcessRolloutDriver, RemoteBackend, _EnvProcess, _serve_share
+from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
+from mt_env import wire
 
 from .process_envs import EXITS, FAILS, GoOn, Troubled
 from .test_rollout import expert, fmt, model, one_torch_thread, operands_of, run  # noqa: F401  (its fixtures)
@@ -33,14 +34,14 @@ SLOW = [77, 7]  # its generation takes 30 s in the driver's process (past the dr
 TIMEOUT_S = 1.0
 
 
-class Expert(Policy):
-    """The driver's process's policy: the scripted calculator expert, with `latency(operands)` seconds per
-    generation; raises PolicyError on the operands `dies_on`. Logs each generation's end (``done``/``cancelled``
+class Expert(Backend):
+    """The driver's process's backend: the scripted calculator expert, with `latency(operands)` seconds per
+    generation; raises BackendError on the operands `dies_on`. Logs each generation's end (``done``/``cancelled``
     with its operands) and counts those in flight."""
 
     def __init__(self, fmt):  # noqa: F811
         self.fmt = fmt
-        self.scripted = ScriptedPolicy(expert(fmt))
+        self.scripted = ScriptedBackend(expert(fmt))
         self.latency = lambda operands: 0.0
         self.dies_on = None
         self.in_flight = 0
@@ -52,7 +53,7 @@ class Expert(Policy):
         try:
             await asyncio.sleep(self.latency(operands))
             if operands == self.dies_on:
-                raise PolicyError("the engine died")
+                raise BackendError("the engine died")
             turn = await self.scripted.generate(prompt_ids, params)
         except asyncio.CancelledError:
             self.log.append(("cancelled", operands))
@@ -82,28 +83,28 @@ def tasks_for(*operands) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def shared(qwen25, fmt):  # noqa: F811  (fixtures imported from test_rollout)
-    """One driver of 2 env processes over `Troubled` envs and an `Expert` policy, for the tests that can share it."""
-    policy = Expert(fmt)
-    driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, processes=2,
+    """One driver of 2 env processes over `Troubled` envs and an `Expert` backend, for the tests that can share it."""
+    backend = Expert(fmt)
+    driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), backend, processes=2,
                                   generation_timeout_s=TIMEOUT_S)
-    yield driver, policy
+    yield driver, backend
     driver.close()
 
 
 @pytest.fixture
 def expert_driver(shared):
-    """The shared driver, its policy reset to answer at once."""
-    driver, policy = shared
-    policy.latency, policy.dies_on = (lambda operands: 0.0), None
-    policy.log.clear()
-    return driver, policy
+    """The shared driver, its backend reset to answer at once."""
+    driver, backend = shared
+    backend.latency, backend.dies_on = (lambda operands: 0.0), None
+    backend.log.clear()
+    return driver, backend
 
 
 # --------------------------------------------------------------------------------------------- same results
 def test_scripted_rollouts_equal_the_in_process_drivers(qwen25, expert_driver):
-    driver, policy = expert_driver
+    driver, backend = expert_driver
     tasks = tasks_for([12, 34], [5, 6, 7], [99, 1], [2, 3, 4])
-    reference = RolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy,
+    reference = RolloutDriver(functools.partial(Troubled, tokenizer=qwen25), backend,
                               generation_timeout_s=TIMEOUT_S).run(tasks, n=3, step=4)
     for _ in range(2):  # the second rollout on the envs the processes kept
         result = driver.run(tasks, n=3, step=4)
@@ -123,13 +124,13 @@ def test_sampled_hf_rollouts_equal_the_in_process_drivers(qwen25, model):  # noq
     results = []
     for make_driver in (functools.partial(RolloutDriver, make_env), functools.partial(ProcessRolloutDriver, make_env,
                                                                                        processes=2)):
-        policy = HFPolicy(model, seed=0)
-        driver = make_driver(policy, sampling, seed=7)
+        backend = HFBackend(model, seed=0)
+        driver = make_driver(backend, sampling, seed=7)
         try:
             results.append(driver.run(tasks, n=2, step=3))
         finally:
             driver.close()
-            asyncio.run(policy.close())
+            asyncio.run(backend.close())
     reference, result = results
     assert [r.turns for r in result.episodes] == [2] * 6
     assert comparable(result) == comparable(reference)
@@ -143,27 +144,27 @@ def test_sampled_hf_rollouts_equal_the_in_process_drivers(qwen25, model):  # noq
 def test_each_record_reaches_the_drivers_process_whole_as_its_episode_ends(expert_driver):
     """Not all at once after the last turn: the records of the episodes that ended early are here, samples and all,
     while a slow episode still plays, and they are the records the rollout returns."""
-    driver, policy = expert_driver
+    driver, backend = expert_driver
     slow = [5, 6, 7]  # three turns of 0.5 s
-    policy.latency = lambda operands: 0.5 if operands == slow else 0.0
+    backend.latency = lambda operands: 0.5 if operands == slow else 0.0
     arrived = []  # (record, generations still in flight when it arrived)
     ids = episode_ids(2, 2)
     records, _ = run(driver.play(tasks_for([12, 34], slow), ids, 0, SamplingParams(),
-                                 on_finished=lambda r: arrived.append((r, policy.in_flight))))
+                                 on_finished=lambda r: arrived.append((r, backend.in_flight))))
     early = [(r, in_flight) for r, in_flight in arrived if r.id.group == 0]
     assert len(early) == 2 and all(in_flight > 0 for _, in_flight in early)  # the slow ones were still generating
     assert all(r.samples and r.messages and r.state == EpisodeState.COMPLETED for r, _ in arrived)
     assert sorted(map(id, records)) == sorted(id(r) for r, _ in arrived) and [r.id for r in records] == ids
 
 
-class Together(Policy):
+class Together(Backend):
     """The scripted expert, whose generations wait in rounds: the k-th round goes on once `rounds[k]` wait, all in
     one pass of the event loop (as an engine settles a turn boundary); after the last round, each at once. A turn
     for the operands `unpicklable` carries a lock in its meta."""
 
     def __init__(self, fmt):  # noqa: F811
         self.fmt = fmt
-        self.scripted = ScriptedPolicy(expert(fmt))
+        self.scripted = ScriptedBackend(expert(fmt))
         self.rounds: list[int] = []
         self.unpicklable = None
         self._gate: asyncio.Event | None = None
@@ -185,19 +186,19 @@ class Together(Policy):
 
 @pytest.fixture(scope="module")
 def gated(qwen25, fmt):  # noqa: F811
-    """A driver of 2 env processes over a `Together` policy, with a generation timeout no wait here reaches."""
-    policy = Together(fmt)
-    driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, processes=2,
+    """A driver of 2 env processes over a `Together` backend, with a generation timeout no wait here reaches."""
+    backend = Together(fmt)
+    driver = ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), backend, processes=2,
                                   generation_timeout_s=120)
-    yield driver, policy
+    yield driver, backend
     driver.close()
 
 
 def test_the_answers_settled_together_go_to_an_env_process_in_one_message(gated, monkeypatch):
     """Four episodes of two turns over two processes; the engine settles each turn's four generations together:
     each process gets one message with its two answers a turn, not a message per answer."""
-    driver, policy = gated
-    policy.rounds, policy.unpicklable = [4, 4], None
+    driver, backend = gated
+    backend.rounds, backend.unpicklable = [4, 4], None
     sent = []
     send = _EnvProcess.send_bytes
 
@@ -217,8 +218,8 @@ def test_the_answers_settled_together_go_to_an_env_process_in_one_message(gated,
 def test_an_answer_that_cannot_be_sent_fails_its_episode_alone(gated):
     """One of the two answers of each process's message holds a lock (unpicklable): that generation fails with the
     reason, at once; the other answer in the message reaches its episode, which completes."""
-    driver, policy = gated
-    policy.rounds, policy.unpicklable = [4], [12, 34]
+    driver, backend = gated
+    backend.rounds, backend.unpicklable = [4], [12, 34]
     result = driver.run(tasks_for([12, 34], [56, 78]), n=2)
     for record in result.episodes:
         if record.id.group == 0:
@@ -238,6 +239,10 @@ class RecordedConn:
         self.log.append(("sent", message[0]))
         self.conn.send(message)
 
+    def send_bytes(self, data: bytes):  # an encoded message (`mt_env.wire`): the records
+        self.log.append(("sent", wire.loads(data)[0]))
+        self.conn.send_bytes(data)
+
     def recv(self):
         return self.conn.recv()
 
@@ -255,9 +260,9 @@ def test_an_env_process_sends_a_shares_result_before_collecting_its_garbage(qwen
     here, there = multiprocessing.Pipe()
     log: list[tuple[str, object]] = []
     conn = RecordedConn(there, log)
-    policy = RemotePolicy(conn)
-    driver = RolloutDriver(functools.partial(Troubled, tokenizer=qwen25), policy, generation_timeout_s=120)
-    scripted = ScriptedPolicy(expert(fmt))
+    backend = RemoteBackend(conn)
+    driver = RolloutDriver(functools.partial(Troubled, tokenizer=qwen25), backend, generation_timeout_s=120)
+    scripted = ScriptedBackend(expert(fmt))
 
     def answer() -> None:  # the driver's side: answer each generation, until the result (or an error) arrives
         while (message := here.recv())[0] not in ("result", "error"):
@@ -273,7 +278,7 @@ def test_an_env_process_sends_a_shares_result_before_collecting_its_garbage(qwen
     thread.start()
     gc.callbacks.append(collections)
     try:
-        _serve_share(driver, policy, conn, (tasks_for([12, 34], [5, 6, 7]), episode_ids(2, 2), 0, SamplingParams()))
+        _serve_share(driver, backend, conn, (tasks_for([12, 34], [5, 6, 7]), episode_ids(2, 2), 0, SamplingParams()))
     finally:
         gc.callbacks.remove(collections)
         thread.join(timeout=30)
@@ -297,34 +302,34 @@ def test_an_episode_failing_in_an_env_process_fails_alone(qwen25, expert_driver)
         assert sample.trainable == (sample.group != 1) and len(sample.ids) > sample.prompt_len
 
 
-def test_a_dying_policy_fails_the_whole_rollout_at_once_then_the_driver_works_again(expert_driver):
-    driver, policy = expert_driver
-    policy.dies_on = FAILS
-    policy.latency = lambda operands: 0.05 if operands == FAILS else 30.0  # the others are in flight meanwhile
+def test_a_dying_backend_fails_the_whole_rollout_at_once_then_the_driver_works_again(expert_driver):
+    driver, backend = expert_driver
+    backend.dies_on = FAILS
+    backend.latency = lambda operands: 0.05 if operands == FAILS else 30.0  # the others are in flight meanwhile
 
     async def rollout():
         try:
             await driver.arun(tasks_for([12, 34], FAILS, [56, 78]), n=2)
-        except PolicyError as e:
+        except BackendError as e:
             await asyncio.sleep(0)  # the cancelled generations' turn to end
-            return e, policy.in_flight
+            return e, backend.in_flight
 
     error, in_flight = run(rollout())  # not `run`'s timeout: the rollout did not wait for the others
-    assert isinstance(error, PolicyError) and str(error) == "the engine died"
-    assert in_flight == 0 and all(end == "cancelled" for end, _ in policy.log)  # none left running
+    assert isinstance(error, BackendError) and str(error) == "the engine died"
+    assert in_flight == 0 and all(end == "cancelled" for end, _ in backend.log)  # none left running
 
-    policy.dies_on, policy.latency = None, lambda operands: 0.0
+    backend.dies_on, backend.latency = None, lambda operands: 0.0
     assert driver.run(tasks_for([12, 34], [56, 78]), n=2).metrics["rollout/completed"] == 4
 
 
 def test_a_timed_out_generation_fails_its_episode_and_is_cancelled_at_once(expert_driver):
-    driver, policy = expert_driver
+    driver, backend = expert_driver
     neighbour = [5, 6, 7]  # three turns of half the timeout each: it ends after the slow ones time out
-    policy.latency = lambda operands: 30.0 if operands == SLOW else TIMEOUT_S / 2 if operands == neighbour else 0.0
+    backend.latency = lambda operands: 30.0 if operands == SLOW else TIMEOUT_S / 2 if operands == neighbour else 0.0
 
     async def rollout():
         result = await driver.arun(tasks_for(SLOW, neighbour), n=2)
-        return result, policy.in_flight  # counted before this event loop's end cancels anything
+        return result, backend.in_flight  # counted before this event loop's end cancels anything
 
     result, in_flight = run(rollout())
     for record in result.episodes:
@@ -334,7 +339,7 @@ def test_a_timed_out_generation_fails_its_episode_and_is_cancelled_at_once(exper
             assert record.state == EpisodeState.COMPLETED and record.turns == 3
     assert in_flight == 0
     # each slow generation was cancelled when its env process gave up on it, not at the end of the rollout
-    ends = [entry for entry in policy.log if entry[1] in (SLOW, neighbour)]
+    ends = [entry for entry in backend.log if entry[1] in (SLOW, neighbour)]
     assert ends.count(("cancelled", SLOW)) == 2 and ("done", SLOW) not in ends
     assert ends[-1] == ("done", neighbour)
 
@@ -353,12 +358,12 @@ def test_a_dead_env_process_fails_the_rollout_then_new_ones_start(expert_driver)
 def test_bad_arguments_are_refused_clearly(qwen25, fmt, expert_driver):  # noqa: F811
     driver, _ = expert_driver
     with pytest.raises(ValueError, match="processes must be >= 1"):
-        ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), ScriptedPolicy(expert(fmt)), processes=0)
+        ProcessRolloutDriver(functools.partial(Troubled, tokenizer=qwen25), ScriptedBackend(expert(fmt)), processes=0)
     with pytest.raises(ValueError, match="n must be >= 1"):
         driver.run(tasks_for([12, 34]), n=0)
     lock = threading.Lock()
     with pytest.raises(TypeError, match="must be picklable by cloudpickle.*cannot pickle '_thread.lock'"):
-        ProcessRolloutDriver(lambda: (lock, CalculatorEnv(tokenizer=qwen25))[1], ScriptedPolicy(expert(fmt)),
+        ProcessRolloutDriver(lambda: (lock, CalculatorEnv(tokenizer=qwen25))[1], ScriptedBackend(expert(fmt)),
                              processes=1)
 
 

@@ -102,7 +102,7 @@ def test_a_missing_alias_target_is_a_clear_error(monkeypatch):
 # verl/tools/utils/tool_registry.py (initialize_tools_from_config): an entry without tool_schema passes
 # tool_schema=None to its class, which then uses its own schema.
 def test_an_entry_without_tool_schema_uses_the_class_schema(tmp_path):
-    from envs.gsm8k_tool import TOOL_SCHEMA, Gsm8kTool
+    from envs.gsm8k.tool import TOOL_SCHEMA, Gsm8kTool
     from mt_env.calculator import CALCULATOR_SCHEMA
 
     path = tmp_path / "tools.yaml"
@@ -117,7 +117,7 @@ def test_an_entry_without_tool_schema_uses_the_class_schema(tmp_path):
 
 
 def test_the_gsm8k_alias_points_into_envs():
-    assert tool_config.TOOL_CLASS_ALIASES["verl.tools.gsm8k_tool.Gsm8kTool"] == "envs.gsm8k_tool.Gsm8kTool"
+    assert tool_config.TOOL_CLASS_ALIASES["verl.tools.gsm8k_tool.Gsm8kTool"] == "envs.gsm8k.tool.Gsm8kTool"
 
 
 @pytest.mark.parametrize("bad_entry, message", [

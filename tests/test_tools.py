@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from agents.rollout import RolloutDriver
-from agents.scripted import ScriptedPolicy
+from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
 from mt_env import isolation
 from mt_env.calculator import CalculatorTool
@@ -580,7 +580,7 @@ def test_the_rollout_driver_does_not_wait_for_a_hung_tool_thread(qwen25):
         text = "The answer is 6." if answered else turn(ToolCall("thread", {"hang": True}))
         return fmt.encode(text) + [fmt.end_of_turn_id]
 
-    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, tools=[tool]), ScriptedPolicy(script))
+    driver = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25, tools=[tool]), ScriptedBackend(script))
     try:
         (episode,) = driver.run([CalculatorEnv.task_for([2, 3])]).episodes
         assert episode.success and episode.tool_errors == 1 and tool.returned == 0  # returned; the thread hangs on

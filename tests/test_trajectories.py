@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agents.rollout import EpisodeId, EpisodeRecord, RolloutDriver, RolloutResult
-from agents.scripted import ScriptedPolicy
+from agents.scripted import ScriptedBackend
 from envs.calculator import CalculatorEnv
 from mt_env.sample import Seg
 from mt_env.trajectories import (decode_tokens, encode_tokens, load_trajectories, mismatch, recorded_steps,
@@ -124,7 +124,7 @@ def test_tool_calls_and_results_are_recorded(qwen25, tmp_path):
 
     for name, policy, operands in (("expert", right, [12, 34, 5]), ("divides by zero first", script, [12, 34])):
         tasks = [CalculatorEnv.task_for(operands)]  # 3 turns (the env's limit): 2 calls and the answer
-        result = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), ScriptedPolicy(policy)).run(tasks)
+        result = RolloutDriver(lambda: CalculatorEnv(tokenizer=qwen25), ScriptedBackend(policy)).run(tasks)
         path = Recorder(tmp_path / name, qwen25, every=1, episodes=4).record_eval(3, tasks, result)
         (r,) = load_trajectories(tmp_path / name, kind="eval")
         assert path == step_path(tmp_path / name, "eval", 3) and r["success"]

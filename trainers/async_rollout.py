@@ -4,42 +4,12 @@ recipe, AReaL and PipelineRL do: one process generates the episodes of step k+1 
     accelerate launch --num_processes 2 trainers/ppo.py --config ... --set trainer.async_rollout=true
     torchrun --nproc_per_node 2 trainers/ppo.py ... --set trainer.async_rollout=true      # CPU: gloo
 
-**Two one-process programs and a link.** `open_link` joins the two processes in torch.distributed's default group
-(NCCL on GPUs, gloo on CPU), then hides the launcher's variables from accelerate: each process is a one-process run
-as far as accelerate knows, so the trainer's model is never wrapped in DDP and its collectives (metric reduction,
-gradient clipping) stay local. Everything between the two goes through `Link`: objects (commands, rollouts,
-evaluations) pickled over send/recv, and the weights as one broadcast per parameter tensor, from the trainer's
-module into the generator's copy, in place (no files).
-
-**The timeline.** Rank 0 trains: it runs `trainers.ppo`'s loop unchanged, with `RemoteRollouts` as its source of
-episodes. Rank 1 generates (`serve`): it executes the trainer's commands in order — weights, play, evaluate, stop —
-with its own copy of the policy on the embedded engine (`trainers.rollouts.LocalRollouts`)::
-
-    trainer:    send w0, ask 1 | wait for B1 | ask 2, train 1 | wait for B2 | send w1, ask 3, train 2 | wait ...
-    generator:  play B1 with w0               | play B2 with w0              | play B3 with w1         | ...
-
-Step k trains on episodes generated with the weights of step k-2 while the trainer holds those of step k-1: a
-staleness of one update (0 for the first step of a session), logged per batch (``async/staleness_mean``,
-``async/staleness_max``; every sample of a batch comes from one weight version, ``async/weights_version``). The
-rollout logprobs are the generator's; the trainer recomputes the old logprobs with its own weights, and truncated
-importance sampling (``algorithm.tis_cap``, 2 by default in this mode) corrects the gap — the ``mismatch/*``
-metrics show it. After every transfer the generator checksums its weights and the trainer checks them against its
-own (exact integer sums of the raw bits): a batch is never trained on unless it came from the weights it claims.
-
-**Order.** Each side sends exactly what the other receives next: the trainer receives batch k before it sends
-the weights of step k-1, and the generator sends batch k before it receives them, so no two sends wait on each
-other. An evaluation of step k runs on the generator with the weights of step k (a batch still being played is
-received first and kept for its step).
-
-**Checkpoints** are the trainer's. The task stream's position counts trained steps only: a batch in flight when
-the run stops is discarded, and a resumed run draws its tasks again and starts the pipeline from the checkpoint's
-step (its first batch has staleness 0). SFT runs on the trainer; the generator starts from the weights it sends.
-
-**Failures and interrupts.** An exception while the generator plays or evaluates is sent to the trainer in place
-of the reply it waits for; both exit with an error. A process that dies is noticed by the launcher, which stops the
-other, and every wait on the link is bounded by ``trainer.async_timeout_s`` (the process group's timeout). The
-first Ctrl-C stops the trainer at the next step boundary with a checkpoint; the generator ignores it and stops when
-the trainer says so.
+Rank 0 trains (`trainers.ppo`'s loop, with `RemoteRollouts` as its source of episodes); rank 1 generates (`serve`),
+executing the trainer's commands in order — weights, play, evaluate, stop — on its own copy of the policy.
+Everything between the two goes through `Link`: objects encoded by `mt_env.wire` over send/recv, and the weights as
+one broadcast per parameter tensor. Every batch is one update old; after each transfer the trainer checks the
+generator's weight checksum. The timeline, the order of sends, checkpoints and failures: docs/processes.md
+("One-step off-policy").
 """
 
 from __future__ import annotations
@@ -55,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agents.rollout import RolloutResult
+from mt_env import wire
 
 from .config import Config, ConfigError
 from .setup import TaskSource
@@ -133,12 +104,12 @@ class Link:
         return self.rank == TRAINER
 
     def send(self, message) -> None:
-        dist.send_object_list([message], dst=self.peer)
+        dist.send_object_list([wire.dumps(message)], dst=self.peer)  # its samples encoded compactly
 
     def receive(self):
         box = [None]
         dist.recv_object_list(box, src=self.peer)
-        return box[0]
+        return wire.loads(box[0])
 
     def send_weights(self, module: nn.Module) -> None:
         for tensor in _weights(module):

@@ -19,18 +19,9 @@ progress, `RunState`, and the size of every file), and only then is the director
 A checkpoint is complete when its name has no ``.tmp`` and every file its manifest lists is there with its size.
 Only complete checkpoints are resumed from and counted by ``trainer.keep_last``.
 
-**Running a command again** (`plan_run`, ``trainer.resume``):
-
-* ``auto`` (the default): an output_dir without a run starts one. One whose newest complete checkpoint reached
-  ``trainer.total_steps`` is finished: the command says so and exits at once (raise ``total_steps`` to extend it).
-  Otherwise the run resumes from that checkpoint (in the middle of SFT, if SFT was stopped), saying which one it
-  took and why it skipped any other; metrics.jsonl keeps the rows logged before that checkpoint. A run that
-  logged RL steps but has no complete checkpoint is refused at start (starting over would replace its metrics),
-  with the ``--set output_dir=...`` that starts a new run instead. A resumed run may change only `RESUMABLE`
-  settings; other differences are refused, named.
-* a checkpoint path: resume from it into output_dir, which must be its own run (and it the newest complete
-  checkpoint there) or hold no run (a fork).
-* ``null``: never resume: an output_dir that holds a run is refused.
+**Running a command again** (`plan_run`, ``trainer.resume``: ``auto``, a checkpoint path, or ``null``) starts a
+run, says a finished one is finished, resumes an unfinished one from its newest complete checkpoint (changing only
+`RESUMABLE` settings), or refuses, naming why: the cases in docs/trainer_config.md ("The run directory").
 """
 
 from __future__ import annotations

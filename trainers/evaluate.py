@@ -28,7 +28,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents.policy import SamplingParams
+from agents.backend import SamplingParams
 from agents.rollout import RolloutDriver
 from trainers import checkpoints
 from trainers.config import ConfigError, load_config

@@ -4,7 +4,7 @@ frozen, and what the rest of the trainer needs from them.
 * **Injection** (`add_lora`): ``peft.inject_adapter_in_model`` replaces the targeted ``nn.Linear`` modules
   (``q_proj``, ...) by LoRA layers that hold the frozen base layer and the adapters; the module keeps its class and
   its submodules, so the trainer's forward and the embedded engine — which calls ``self_attn.q_proj`` & co. itself
-  (`agents.fast_decode.decoder_layout`) — both run the adapters ("through the adapter"; no copy of the base weights).
+  (`agents.engine.decoder_layout`) — both run the adapters ("through the adapter"; no copy of the base weights).
   Adapters are kept in float32 whatever the base's dtype, as ``peft.get_peft_model`` does by default.
 * **The KL reference** (`AdaptersOff`): the same module with its adapters disabled — the base weights, no second copy.
 * **Checkpoints**: a `PolicyModel` around an adapted module keeps only the trained parameters in its state dict

@@ -5,28 +5,25 @@
     python trainers/ppo.py --config gsm8k_qwen2.5_0.5b.yaml --set trainer.lr=2e-6 --set rollout.n=8
     accelerate launch --num_processes 2 trainers/ppo.py --config ...          # DDP
     accelerate launch --config_file trainers/configs/accelerate/fsdp2.yaml trainers/ppo.py --config ...  # FSDP2
-    accelerate launch --num_processes 2 trainers/ppo.py --config ... --set trainer.async_rollout=true
-                     # one-step off-policy: one process generates while the other trains (trainers/async_rollout.py)
+    accelerate launch --num_processes 2 trainers/ppo.py --config ... --set trainer.async_rollout=true  # off-policy
 
 One training step (`main`, after `build` made the run):
 
 1. **rollout** — episodes of the env played by the policy through the async rollout driver (`agents.rollout`);
    their conversations become samples, collated into one `TrainBatch` whose ``loss_mask`` is 1 exactly on the
    tokens the model sampled. That mask keeps its name and layout down to the loss.
-2. **old / reference logprobs, values** — recomputed by the trainer on those exact ids (and compared with the
-   engine's own logprobs: the rollout/trainer mismatch). When the update is one optimizer step over the whole
-   batch, the old logprobs are the update's own, detached (`single_update`): the same values, one pass fewer.
+2. **old / reference logprobs, values** — recomputed by the trainer on those exact ids (compared with the engine's:
+   the rollout/trainer mismatch); with one optimizer step per batch, the update's own, detached (`single_update`).
 3. **rewards** — each turn's tool reward on its last sampled token, the final reward on the last one; optionally
    minus a KL penalty to the reference model.
 4. **advantages** — GRPO: the episode's return normalised within its group of ``n`` samples of one task; PPO: GAE
-   over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic. A sample of the
-   step's episodes is recorded from this batch, token by token (`trainers.recording`, ``logging.record_every``).
+   over sampled tokens only (tool and template tokens are skipped, not zero-rewarded), with a critic. Some episodes
+   are recorded from this batch, token by token (`trainers.recording`).
 5. **update** — epochs of masked, clipped mini-batch updates (gradient accumulation over micro-batches).
 6. **log, sync, evaluate, checkpoint.**
 
-Around the loop: `open_run` decides what the command does with ``output_dir`` — start, resume from the newest
-complete checkpoint, or nothing for a finished run (`trainers.checkpoints`) — and Ctrl-C/SIGTERM stop it at a step
-boundary with a checkpoint and the command that continues (`trainers.stopping`).
+Around the loop: `open_run` starts, resumes or declines the run in ``output_dir`` (`trainers.checkpoints`);
+Ctrl-C/SIGTERM stop it at a step boundary with a checkpoint (`trainers.stopping`).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import contextlib
 
 from accelerate import Accelerator
 
-from agents.policy import Policy, SamplingParams, counted
+from agents.backend import Backend, SamplingParams, counted
 from agents.rollout import EpisodeDriver, RolloutDriver, RolloutResult
 from agents.rollout_processes import rollout_driver
 
@@ -30,7 +30,7 @@ from .setup import make_backend, sync_weights
 class LocalRollouts:
     """Episodes played in this process (see the module docstring)."""
 
-    def __init__(self, cfg: Config, accelerator: Accelerator, policy, lm, backend: Policy,
+    def __init__(self, cfg: Config, accelerator: Accelerator, policy, lm, backend: Backend,
                  driver: EpisodeDriver,
                  eval_driver: RolloutDriver):
         self.cfg = cfg
@@ -43,8 +43,8 @@ class LocalRollouts:
 
     def play(self, tasks: list[dict], n: int, step: int) -> RolloutResult:
         """The step's episodes; their metrics also carry the embedded engine's counters over the rollout
-        (``engine/*``: every counter of `HFPolicy.stats` — passes, rows, seconds busy, in prefill, waiting for
-        decode steps, ...; see `agents.hf_policy.new_stats`)."""
+        (``engine/*``: every counter of `HFBackend.stats` — passes, rows, seconds busy, in prefill, waiting for
+        decode steps, ...; see `agents.hf_backend.new_stats`)."""
         with self.gathered(), counted(self.backend) as engine:  # SGLang's backends keep no counters here
             result = self.driver.run(tasks, n=n, step=step)
         result.metrics.update({f"engine/{key}": float(value) for key, value in engine.items()})

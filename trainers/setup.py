@@ -225,20 +225,20 @@ def frozen_copy(lm: torch.nn.Module) -> torch.nn.Module:
 
 # --------------------------------------------------------------------------------------------- generation backend
 def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer, weights_changed: bool = False, local_rank: int = 0):
-    """The rollout's `Policy`: the embedded HF backend on the trainer's own module (shared weights, nothing to
+    """The rollout's `Backend`: the embedded HF backend on the trainer's own module (shared weights, nothing to
     sync), or an SGLang engine/server (weights synced after each update by `sync_weights`).
 
     `weights_changed`: the module no longer equals `model.path` (after SFT, a resumed or loaded checkpoint, random
     init): an SGLang engine then starts from the module's weights saved to ``<output_dir>/weights``."""
     r = cfg.rollout
     if r.backend == "hf":
-        from agents.hf_policy import HFPolicy
+        from agents.hf_backend import HFBackend
 
         exact = {"exact": True} if r.exact_logprobs else {}  # the paged engine, in exact mode
-        return HFPolicy(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
-                        vocab_limit=len(tokenizer), **exact)
+        return HFBackend(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
+                         vocab_limit=len(tokenizer), **exact)
     if r.backend == "sglang_engine":
-        from agents.sglang_policy import SGLangEnginePolicy
+        from agents.sglang_backend import SGLangEngineBackend
 
         path = cfg.model.path
         if weights_changed or not path:
@@ -247,17 +247,17 @@ def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer, weights_changed: b
             tokenizer.save_pretrained(path)
         kwargs = dict(r.engine_kwargs)
         kwargs.setdefault("base_gpu_id", local_rank)  # one engine per process, on that process's GPU
-        return SGLangEnginePolicy(model_path=path, **kwargs)
-    from agents.sglang_policy import SGLangServerPolicy
+        return SGLangEngineBackend(model_path=path, **kwargs)
+    from agents.sglang_backend import SGLangServerBackend
 
-    return SGLangServerPolicy(r.server_urls, **r.engine_kwargs)
+    return SGLangServerBackend(r.server_urls, **r.engine_kwargs)
 
 
 async def sync_weights(backend: Any, lm: torch.nn.Module, output_dir: str) -> str:
     """Push the updated weights to the generation backend; returns what was done (for the log)."""
-    from agents.hf_policy import HFPolicy
+    from agents.hf_backend import HFBackend
 
-    if isinstance(backend, HFPolicy) and backend.model is lm:
+    if isinstance(backend, HFBackend) and backend.model is lm:
         return "shared module (no copy)"
     try:
         await backend.update_weights(named_tensors=list(hf_weights(lm)))  # LoRA: the adapters merged

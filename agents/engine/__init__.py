@@ -3,8 +3,8 @@
 Cut by role: `config` (the knobs), `sequence` (a request's state), `blocks` (the KV block pool and prefix index),
 `scheduler` (admission, decode plans, preemption, slots), `model_runner` (the device: KV pool, passes, CUDA graphs
 via `graphs`), `layers` and `attention` (the forward functions), `sampler`, `layout` (the module's parts), `engine`
-(the step loop), `transformers_runner` (the fallback for modules the layer loop does not serve). `HFPolicy`
-(`agents.hf_policy`) is the asyncio front. Design and measurements: docs/engine.md.
+(the step loop), `transformers_runner` (the fallback for modules the layer loop does not serve). `HFBackend`
+(`agents.hf_backend`) is the asyncio front. Design and measurements: docs/engine.md.
 """
 
 from .config import EngineConfig

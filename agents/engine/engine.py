@@ -7,7 +7,7 @@ is dropped with them.
 
     >>> import torch, transformers
     >>> from agents.engine import Engine, EngineConfig, Sequence
-    >>> from agents.policy import SamplingParams
+    >>> from agents.backend import SamplingParams
     >>> torch.manual_seed(0) and None
     >>> config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
     ...                                   num_key_value_heads=1, intermediate_size=64)
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..policy import GenerationError
+from ..backend import GenerationError
 from .blocks import BlockPool
 from .config import EngineConfig
 from .layout import decoder_layout

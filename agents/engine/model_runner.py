@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from .. import exact
+from ..backend import GenerationError
 from ..compiling import COMPILE_COUNTS, compiled, progress
-from ..policy import GenerationError
 from .attention import flat_positions, prefill_inputs
 from .blocks import NULL_BLOCK
 from . import config as knobs

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backend import SamplingParams
 from ..exact import tempered_log_softmax
-from ..policy import SamplingParams
 
 SAMPLING_MODES = ("greedy", "sample", "truncate")
 

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..policy import SamplingParams
+from ..backend import SamplingParams
 from .sampler import SAMPLING_MODES, sampling_mode
 
 

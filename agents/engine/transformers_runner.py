@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..policy import GenerationError
+from ..backend import GenerationError
 from .layout import module_device
 from .sampler import RowSampling, sample_tokens
 from .sequence import Sequence

@@ -1,6 +1,6 @@
-"""The policy interface: asynchronous, token-in/token-out generation.
+"""The generation backend interface: asynchronous, token-in/token-out generation.
 
-A `Policy` turns prompt token ids into a `mt_env.turn.ModelTurn`: sampled token ids and their log-probabilities, the
+A `Backend` turns prompt token ids into a `mt_env.turn.ModelTurn`: sampled token ids and their log-probabilities, the
 very object `ToolEnv.step` takes. Prompts are token ids and
 outputs are token ids; nothing is decoded and re-encoded on the way, because a model's own split of a text (``hel``
 + ``lo``) is what it sampled and what the trainer must score (see `mt_env.conversation`).
@@ -17,8 +17,8 @@ Conventions every backend follows:
 * ``finish_reason == "abort"``: the backend gave up on the request (closed, or the server aborted it); `ids` holds
   whatever was sampled before.
 
-Backends: `agents.hf_policy.HFPolicy` (transformers, in process, shares weights with the trainer) and
-`agents.sglang_policy` (an SGLang engine in process, or SGLang servers over HTTP).
+Backends: `agents.hf_backend.HFBackend` (transformers, in process, shares weights with the trainer) and
+`agents.sglang_backend` (an SGLang engine in process, or SGLang servers over HTTP).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from mt_env.errors import MtEnvError
 from mt_env.turn import ModelTurn
 
 
-class PolicyError(MtEnvError):
+class BackendError(MtEnvError):
     """A generation backend cannot serve requests: closed, worker dead, server unhealthy, weight sync failed."""
 
 
-class GenerationError(PolicyError):
+class GenerationError(BackendError):
     """One generation request failed: the model raised, a server answered with an error, or it timed out."""
 
 
@@ -95,7 +95,7 @@ class SamplingParams:
         return dataclasses.replace(self, **changes)
 
 
-class Policy(abc.ABC):
+class Backend(abc.ABC):
     """An asynchronous generation backend. Many episodes call `generate` concurrently from asyncio tasks; a
     backend serves them together (batching, or a server's own scheduler).
 
@@ -178,7 +178,7 @@ class Policy(abc.ABC):
 @contextlib.contextmanager
 def counted(source: Any) -> Iterator[dict[str, float]]:
     """A dict that, when the block ends, holds how much each of `source.stats` grew during it (e.g. the embedded
-    engine's passes and seconds over one rollout): a `Policy`, or anything with a `stats` mapping of numbers (a
+    engine's passes and seconds over one rollout): a `Backend`, or anything with a `stats` mapping of numbers (a
     `SlotEngine`)."""
     before, grown = dict(source.stats), {}
     try:
@@ -196,7 +196,7 @@ def check_prompt_ids(prompt_ids: Sequence[int], vocab_size: int | None = None) -
     except TypeError:
         raise ValueError(f"prompt_ids must be a sequence of token ids, got {type(prompt_ids).__name__}") from None
     if not ids:
-        raise ValueError("the prompt is empty: a policy needs at least one prompt token")
+        raise ValueError("the prompt is empty: a backend needs at least one prompt token")
     if set(map(type, ids)) != {int}:  # the common case, plain ints, is checked without a Python call per id
         not_int = [i for i in ids if not is_int(i)]
         if not_int:

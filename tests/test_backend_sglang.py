@@ -1,5 +1,5 @@
 """SGLang backends without SGLang: request/response translation against the shapes SGLang documents (see the
-docstring of `agents.sglang_policy`), a real HTTP server on localhost that answers like ``sglang.launch_server``,
+docstring of `agents.sglang_backend`), a real HTTP server on localhost that answers like ``sglang.launch_server``,
 and a fake in-process engine. A live test runs when sglang and a CUDA GPU are both present."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from agents.policy import GenerationError, PolicyError, SamplingParams
-from agents.sglang_policy import (
-    SGLangEnginePolicy,
-    SGLangServerPolicy,
+from agents.backend import BackendError, GenerationError, SamplingParams
+from agents.sglang_backend import (
+    SGLangEngineBackend,
+    SGLangServerBackend,
     generation_from_sglang,
     sglang_sampling_params,
 )
@@ -185,8 +185,8 @@ def test_generate_posts_the_native_request_and_translates_the_answer(servers):
     params = SamplingParams(temperature=0.7, max_new_tokens=6, stop_token_ids=(43,), seed=11)
 
     async def main():
-        async with SGLangServerPolicy(server.url) as policy:
-            return await policy.generate([40, 41, 40], params), await policy.generate([7], params)
+        async with SGLangServerBackend(server.url) as backend:
+            return await backend.generate([40, 41, 40], params), await backend.generate([7], params)
 
     stopped, length = run(main())
     assert server.calls[0] == ("/health", None)  # health check before the first request
@@ -201,9 +201,9 @@ def test_requests_spread_over_servers_by_least_in_flight(servers):
     a, b = servers(delay_s=0.2), servers(delay_s=0.2)
 
     async def main():
-        async with SGLangServerPolicy([a.url, b.url]) as policy:
-            gens = await asyncio.gather(*(policy.generate([i], SamplingParams(max_new_tokens=2)) for i in range(8)))
-            return gens, dict(policy.in_flight)
+        async with SGLangServerBackend([a.url, b.url]) as backend:
+            gens = await asyncio.gather(*(backend.generate([i], SamplingParams(max_new_tokens=2)) for i in range(8)))
+            return gens, dict(backend.in_flight)
 
     gens, in_flight_after = run(main())
     assert [g.ids for g in gens] == [[i + 1, i + 2] for i in range(8)]
@@ -216,10 +216,10 @@ def test_unhealthy_server_is_reported_at_start(servers):
     live, dead = servers(), dead_url()
 
     async def main():
-        async with SGLangServerPolicy([live.url, dead], connect_timeout_s=2) as policy:
-            await policy.generate([1], SamplingParams(max_new_tokens=1))
+        async with SGLangServerBackend([live.url, dead], connect_timeout_s=2) as backend:
+            await backend.generate([1], SamplingParams(max_new_tokens=1))
 
-    with pytest.raises(PolicyError, match=f"1 of 2 SGLang server.*{dead}.*launch_server"):
+    with pytest.raises(BackendError, match=f"1 of 2 SGLang server.*{dead}.*launch_server"):
         run(main())
     assert live.generate_calls() == []
 
@@ -228,8 +228,8 @@ def test_unreachable_server_is_skipped_and_requests_retried_elsewhere(servers):
     live, dead = servers(), dead_url()
 
     async def main():
-        async with SGLangServerPolicy([dead, live.url], check_health=False, connect_timeout_s=2) as policy:
-            return await asyncio.gather(*(policy.generate([i], SamplingParams(max_new_tokens=1)) for i in range(6)))
+        async with SGLangServerBackend([dead, live.url], check_health=False, connect_timeout_s=2) as backend:
+            return await asyncio.gather(*(backend.generate([i], SamplingParams(max_new_tokens=1)) for i in range(6)))
 
     gens = run(main())
     assert [g.ids for g in gens] == [[i + 1] for i in range(6)]
@@ -239,8 +239,8 @@ def test_unreachable_server_is_skipped_and_requests_retried_elsewhere(servers):
 
 def test_no_reachable_server_is_a_clear_error():
     async def main():
-        async with SGLangServerPolicy([dead_url(), dead_url()], check_health=False, connect_timeout_s=2) as policy:
-            await policy.generate([1], SamplingParams(max_new_tokens=1))
+        async with SGLangServerBackend([dead_url(), dead_url()], check_health=False, connect_timeout_s=2) as backend:
+            await backend.generate([1], SamplingParams(max_new_tokens=1))
 
     with pytest.raises(GenerationError, match="no SGLang server could take the request.*cannot connect"):
         run(main())
@@ -250,8 +250,8 @@ def test_timeout_is_a_clear_error(servers):
     slow = servers(delay_s=3)
 
     async def main():
-        async with SGLangServerPolicy(slow.url, timeout_s=0.3) as policy:
-            await policy.generate([1], SamplingParams(max_new_tokens=1))
+        async with SGLangServerBackend(slow.url, timeout_s=0.3) as backend:
+            await backend.generate([1], SamplingParams(max_new_tokens=1))
 
     with pytest.raises(GenerationError, match="timed out after 0.3 s"):  # raised by the timeout, not the answer
         run(main())
@@ -262,8 +262,8 @@ def test_error_answer_carries_the_server_message_and_is_not_retried(servers):
     other = servers()
 
     async def main():
-        async with SGLangServerPolicy([failing.url, other.url], check_health=False) as policy:
-            await policy.generate([1], SamplingParams(max_new_tokens=1))
+        async with SGLangServerBackend([failing.url, other.url], check_health=False) as backend:
+            await backend.generate([1], SamplingParams(max_new_tokens=1))
 
     with pytest.raises(GenerationError, match="HTTP 400: Input length"):
         run(main())
@@ -274,8 +274,8 @@ def test_overloaded_server_answer_is_retried_on_another(servers):
     overloaded, other = servers(status=503, error="server overloaded"), servers()
 
     async def main():
-        async with SGLangServerPolicy([overloaded.url, other.url], check_health=False) as policy:
-            return await policy.generate([1], SamplingParams(max_new_tokens=2))
+        async with SGLangServerBackend([overloaded.url, other.url], check_health=False) as backend:
+            return await backend.generate([1], SamplingParams(max_new_tokens=2))
 
     assert run(main()).ids == [2, 3]
     assert len(overloaded.generate_calls()) == 1 and len(other.generate_calls()) == 1
@@ -285,15 +285,15 @@ def test_weight_sync_calls_reach_every_server(servers):
     a, b = servers(), servers()
 
     async def main():
-        async with SGLangServerPolicy([a.url, b.url], check_health=False) as policy:
-            await policy.update_weights(model_path="/ckpt/step-10")
-            await policy.release_memory()
-            await policy.resume_memory(tags=["weights"])
-            await policy.flush_cache()
-            with pytest.raises(PolicyError, match="update_weights_from_disk failed on 2 of 2.*Failed to get weights"):
-                await policy.update_weights(model_path="/ckpt/missing")
+        async with SGLangServerBackend([a.url, b.url], check_health=False) as backend:
+            await backend.update_weights(model_path="/ckpt/step-10")
+            await backend.release_memory()
+            await backend.resume_memory(tags=["weights"])
+            await backend.flush_cache()
+            with pytest.raises(BackendError, match="update_weights_from_disk failed on 2 of 2.*Failed to get weights"):
+                await backend.update_weights(model_path="/ckpt/missing")
             with pytest.raises(NotImplementedError, match="model_path"):
-                await policy.update_weights({"w": torch.zeros(1)})
+                await backend.update_weights({"w": torch.zeros(1)})
 
     run(main())
     for server in (a, b):
@@ -305,13 +305,13 @@ def test_weight_sync_calls_reach_every_server(servers):
 
 def test_bad_urls_and_prompts_are_rejected():
     with pytest.raises(ValueError, match="http://"):
-        SGLangServerPolicy("localhost:30000")
+        SGLangServerBackend("localhost:30000")
     with pytest.raises(ValueError, match="at least one"):
-        SGLangServerPolicy([])
+        SGLangServerBackend([])
 
     async def main():
-        async with SGLangServerPolicy("http://127.0.0.1:1", check_health=False) as policy:
-            await policy.generate([], SamplingParams())
+        async with SGLangServerBackend("http://127.0.0.1:1", check_health=False) as backend:
+            await backend.generate([], SamplingParams())
 
     with pytest.raises(ValueError, match="empty"):
         run(main())
@@ -336,15 +336,15 @@ class FakeEngine:
         self.shut_down = True
 
 
-def test_engine_policy_calls_async_generate_with_ids():
+def test_engine_backend_calls_async_generate_with_ids():
     engine = FakeEngine()
     params = SamplingParams(temperature=0, max_new_tokens=3)
 
     async def main():
-        async with SGLangEnginePolicy(engine=engine) as policy:
-            g = await policy.generate([4, 5], params)
+        async with SGLangEngineBackend(engine=engine) as backend:
+            g = await backend.generate([4, 5], params)
             with pytest.raises(GenerationError, match="context length"):
-                await policy.generate(list(range(51)), params)
+                await backend.generate(list(range(51)), params)
             return g
 
     g = run(main())
@@ -357,7 +357,7 @@ def test_engine_policy_calls_async_generate_with_ids():
 def test_missing_sglang_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "sglang", None)  # makes `import sglang` fail even where it is installed
     with pytest.raises(ImportError, match=r'pip install "mt-env\[sglang\]"'):
-        SGLangEnginePolicy("Qwen/Qwen2.5-0.5B-Instruct")
+        SGLangEngineBackend("Qwen/Qwen2.5-0.5B-Instruct")
 
 
 # ------------------------------------------------------------------------------------------------- live
@@ -386,22 +386,22 @@ def test_live_engine_generates_like_the_hf_model(tmp_path):
         return torch.log_softmax(logits, -1).gather(1, torch.tensor(ids)[:, None]).squeeze(1).tolist()
 
     async def main():
-        policy = SGLangEnginePolicy(str(tmp_path), dtype="bfloat16", mem_fraction_static=0.2, random_seed=0,
+        backend = SGLangEngineBackend(str(tmp_path), dtype="bfloat16", mem_fraction_static=0.2, random_seed=0,
                                     disable_cuda_graph=True, log_level="error")
         try:
-            greedy = await policy.generate(prompt, SamplingParams(temperature=0, max_new_tokens=8))
+            greedy = await backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=8))
             k = next((i for i in range(1, 8) if greedy.ids[i] not in greedy.ids[:i]), None)
             stopped = None
             if k is not None:
-                stopped = await policy.generate(prompt, SamplingParams(temperature=0, max_new_tokens=8,
+                stopped = await backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=8,
                                                                        stop_token_ids=(greedy.ids[k],)))
             new_head = torch.randn_like(model.lm_head.weight) * 0.5
-            await policy.update_weights({"lm_head.weight": new_head})
-            await policy.flush_cache()
-            updated = await policy.generate(prompt, SamplingParams(temperature=0, max_new_tokens=8))
+            await backend.update_weights({"lm_head.weight": new_head})
+            await backend.flush_cache()
+            updated = await backend.generate(prompt, SamplingParams(temperature=0, max_new_tokens=8))
             return greedy, k, stopped, updated, new_head
         finally:
-            await policy.close()
+            await backend.close()
 
     greedy, k, stopped, updated, new_head = asyncio.run(main())
     assert len(greedy.ids) == len(greedy.logprobs) == 8 and greedy.finish_reason == "length"

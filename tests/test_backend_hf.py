@@ -1,4 +1,4 @@
-"""HFPolicy on a tiny random-init Qwen2 model on CPU: outputs, logprobs, batching, seeds, weight sharing, errors —
+"""HFBackend on a tiny random-init Qwen2 model on CPU: outputs, logprobs, batching, seeds, weight sharing, errors —
 on both of its paths (the fast slot-cache path and transformers' forward; `engine` fixture)."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agents.hf_policy import HFPolicy, new_stats
-from agents.policy import GenerationError, PolicyError, SamplingParams, counted
-from agents.scripted import ScriptedPolicy
+from agents.backend import BackendError, GenerationError, SamplingParams, counted
+from agents.hf_backend import HFBackend, new_stats
+from agents.scripted import ScriptedBackend
 from mt_env.turn import ModelTurn
 
 VOCAB = 512
 DEVICE = os.environ.get("MT_ENV_TEST_DEVICE", "cpu")  # e.g. "cuda" to run these tests on a GPU
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
-#: HFPolicy arguments of each path: the fast path forced on (CUDA graphs where there is CUDA; its decode step not
-#: compiled: these tests are about scheduling, tests/test_fast_decode.py runs the compiled step), transformers' forward
+#: HFBackend arguments of each path: the fast path forced on (CUDA graphs where there is CUDA; its decode step not
+#: compiled: these tests are about scheduling, tests/test_engine.py runs the compiled step), transformers' forward
 PATHS = {"fast": dict(fast_path=True, cuda_graphs=DEVICE == "cuda", compile=False),
          "transformers": dict(fast_path=False)}
 
@@ -50,7 +50,7 @@ def model():
 
 @pytest.fixture(params=list(PATHS))
 def engine(request) -> dict:
-    """HFPolicy keyword arguments choosing one of its two paths."""
+    """HFBackend keyword arguments choosing one of its two paths."""
     return PATHS[request.param]
 
 
@@ -59,10 +59,10 @@ def run(coro, timeout: float = 30):
     return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
-def passes(policy: HFPolicy) -> int:
-    """Forward passes the policy ran so far (a CUDA graph replay runs no Python hook: count with the policy's
+def passes(backend: HFBackend) -> int:
+    """Forward passes the backend ran so far (a CUDA graph replay runs no Python hook: count with the backend's
     stats, which tests/test_fast_decode.py checks against a hook on the LM head)."""
-    return policy.stats["prefill_passes"] + policy.stats["decode_passes"]
+    return backend.stats["prefill_passes"] + backend.stats["decode_passes"]
 
 
 def break_mlp(model, forward) -> None:
@@ -75,7 +75,7 @@ def restore_mlp(model) -> None:
 
 
 def greedy_by_hand(model, prompt: list[int], n: int) -> list[int]:
-    """Argmax decoding with full forward passes and no KV cache: the reference the policy must match."""
+    """Argmax decoding with full forward passes and no KV cache: the reference the backend must match."""
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
@@ -126,24 +126,24 @@ def test_counted_reads_what_a_block_adds_to_a_backends_counters(model):
     """`counted`: a backend's counters over one block (the trainer's ``engine/*`` metrics of a rollout); a backend
     without counters gives none."""
     async def main():
-        async with HFPolicy(model, fast_path=False) as policy:
-            await policy.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))  # counted before
-            with counted(policy) as grown:
-                await policy.generate([4, 5], SamplingParams(temperature=0, max_new_tokens=4))
+        async with HFBackend(model, fast_path=False) as backend:
+            await backend.generate([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))  # counted before
+            with counted(backend) as grown:
+                await backend.generate([4, 5], SamplingParams(temperature=0, max_new_tokens=4))
             return grown
 
     grown = run(main())
     assert grown.keys() == new_stats().keys()
     assert grown["prefill_passes"] == 1 and grown["decode_passes"] == 3 and grown["busy_s"] > 0
-    with counted(ScriptedPolicy(lambda prompt: [1])) as none:
+    with counted(ScriptedBackend(lambda prompt: [1])) as none:
         pass
     assert none == {}
 
 
 def test_length_is_respected_exactly(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            return await policy.generate([1, 2, 3], SamplingParams(max_new_tokens=7, seed=0))
+        async with HFBackend(model, **engine) as backend:
+            return await backend.generate([1, 2, 3], SamplingParams(max_new_tokens=7, seed=0))
 
     g = run(main())
     assert len(g.ids) == len(g.logprobs) == 7
@@ -158,8 +158,8 @@ def test_stop_token_is_included_and_ends_generation(model, engine):
     stop = reference[k]
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            return await policy.generate([1, 2, 3, 4], GREEDY.replace(stop_token_ids=(stop, VOCAB - 1)))
+        async with HFBackend(model, **engine) as backend:
+            return await backend.generate([1, 2, 3, 4], GREEDY.replace(stop_token_ids=(stop, VOCAB - 1)))
 
     g = run(main())
     assert g.ids == reference[:k + 1]
@@ -169,8 +169,8 @@ def test_stop_token_is_included_and_ends_generation(model, engine):
 
 def test_greedy_equals_argmax_without_cache_for_concurrent_prompts(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            return await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS))
+        async with HFBackend(model, **engine) as backend:
+            return await asyncio.gather(*(backend.generate(p, GREEDY) for p in PROMPTS))
 
     for prompt, g in zip(PROMPTS, run(main())):
         assert g.ids == greedy_by_hand(model, prompt, 12)
@@ -183,8 +183,8 @@ def test_greedy_equals_argmax_without_cache_for_concurrent_prompts(model, engine
 ])
 def test_logprobs_equal_a_full_forward_recomputation(model, params, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            return await asyncio.gather(*(policy.generate(p, params.replace(seed=i)) for i, p in enumerate(PROMPTS)))
+        async with HFBackend(model, **engine) as backend:
+            return await asyncio.gather(*(backend.generate(p, params.replace(seed=i)) for i, p in enumerate(PROMPTS)))
 
     for prompt, g in zip(PROMPTS, run(main())):
         expected = logprobs_by_hand(model, prompt, g.ids, params.temperature)
@@ -194,8 +194,8 @@ def test_logprobs_equal_a_full_forward_recomputation(model, params, engine):
 @pytest.mark.parametrize("truncation", [dict(top_k=1), dict(top_p=1e-6)])
 def test_extreme_truncation_samples_the_argmax(model, truncation, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            return await policy.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3,
+        async with HFBackend(model, **engine) as backend:
+            return await backend.generate(PROMPTS[1], SamplingParams(temperature=1.0, max_new_tokens=8, seed=3,
                                                                     **truncation))
 
     assert run(main()).ids == greedy_by_hand(model, PROMPTS[1], 8)
@@ -211,9 +211,9 @@ def test_sampling_follows_the_truncated_distribution(engine):
     n = 400
 
     async def main():
-        async with HFPolicy(peaked, **engine) as policy:
+        async with HFBackend(peaked, **engine) as backend:
             params = SamplingParams(temperature=1.0, top_k=2, max_new_tokens=1, seed=0)
-            return await policy.generate_many([PROMPTS[0]] * n, params)
+            return await backend.generate_many([PROMPTS[0]] * n, params)
 
     first = [g.ids[0] for g in run(main())]
     assert set(first) <= set(top2.indices.tolist())
@@ -223,8 +223,8 @@ def test_sampling_follows_the_truncated_distribution(engine):
 
 def test_context_length_ends_generation_with_length(model, engine):
     async def main():
-        async with HFPolicy(model, max_context_len=12, **engine) as policy:
-            return await policy.generate(list(range(1, 9)), SamplingParams(max_new_tokens=10, seed=0))
+        async with HFBackend(model, max_context_len=12, **engine) as backend:
+            return await backend.generate(list(range(1, 9)), SamplingParams(max_new_tokens=10, seed=0))
 
     g = run(main())
     assert len(g.ids) == 4 and g.finish_reason == "length"
@@ -235,11 +235,11 @@ def test_concurrent_requests_share_forward_passes(model, engine):
     lengths = [2, 4, 6, 8, 10, 12, 14, 16]
 
     async def main():
-        async with HFPolicy(model, gather_window_s=0.05, **engine) as policy:
+        async with HFBackend(model, gather_window_s=0.05, **engine) as backend:
             gens = await asyncio.gather(*(
-                policy.generate([5 + i] * (3 + i), SamplingParams(max_new_tokens=n, seed=i))
+                backend.generate([5 + i] * (3 + i), SamplingParams(max_new_tokens=n, seed=i))
                 for i, n in enumerate(lengths)))
-            return gens, passes(policy)
+            return gens, passes(backend)
 
     gens, calls = run(main())
     assert [len(g.ids) for g in gens] == lengths
@@ -253,22 +253,22 @@ def test_requests_trickling_in_to_an_idle_worker_share_one_prefill(model, engine
     worker waits for the quiet window, not for a window after the first, and prefills them together."""
 
     async def main():
-        async with HFPolicy(model, gather_window_s=0.2, **engine) as policy:
+        async with HFBackend(model, gather_window_s=0.2, **engine) as backend:
             tasks = []
             for prompt in PROMPTS * 2:
-                tasks.append(asyncio.create_task(policy.generate(prompt, GREEDY)))
+                tasks.append(asyncio.create_task(backend.generate(prompt, GREEDY)))
                 await asyncio.sleep(0.05)
             await asyncio.gather(*tasks)
-            return policy.stats["prefill_passes"]
+            return backend.stats["prefill_passes"]
 
     assert run(main()) == 1
 
 
 def test_short_request_resolves_before_long_one(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            long = asyncio.create_task(policy.generate(PROMPTS[0], SamplingParams(max_new_tokens=80, seed=0)))
-            short = asyncio.create_task(policy.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, seed=1)))
+        async with HFBackend(model, **engine) as backend:
+            long = asyncio.create_task(backend.generate(PROMPTS[0], SamplingParams(max_new_tokens=80, seed=0)))
+            short = asyncio.create_task(backend.generate(PROMPTS[1], SamplingParams(max_new_tokens=3, seed=1)))
             g_short = await short
             long_was_done = long.done()
             g_long = await long
@@ -294,13 +294,13 @@ def test_requests_ending_at_one_step_wake_their_event_loop_once(model, engine):
             wakeups.append(callback)
             return call_soon_threadsafe(callback, *args, **kwargs)
 
-        async with HFPolicy(model, **engine) as policy:
+        async with HFBackend(model, **engine) as backend:
             loop.call_soon_threadsafe = counted_call
             try:
-                turns = await policy.generate_many(prompts, GREEDY.replace(max_new_tokens=5))
+                turns = await backend.generate_many(prompts, GREEDY.replace(max_new_tokens=5))
             finally:
                 del loop.call_soon_threadsafe
-            return turns, len(wakeups), policy.stats["prefill_passes"]
+            return turns, len(wakeups), backend.stats["prefill_passes"]
 
     turns, wakeups, prefill_passes = run(main())
     assert prefill_passes < len(prompts)  # (they share passes: one request per wake-up would be more wake-ups)
@@ -315,13 +315,13 @@ def test_requests_arriving_mid_batch_join_it_and_decode_correctly(model, engine)
     long_prompt, late_prompts = [3, 1, 4, 1], [list(range(40, 70)), [9, 9]]
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            long = asyncio.create_task(policy.generate(long_prompt, GREEDY.replace(max_new_tokens=60)))
-            while passes(policy) < 6:
+        async with HFBackend(model, **engine) as backend:
+            long = asyncio.create_task(backend.generate(long_prompt, GREEDY.replace(max_new_tokens=60)))
+            while passes(backend) < 6:
                 await asyncio.sleep(0.001)
-            late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=4)) for p in late_prompts))
+            late = await asyncio.gather(*(backend.generate(p, GREEDY.replace(max_new_tokens=4)) for p in late_prompts))
             long_was_done = long.done()
-            return await long, late, long_was_done, passes(policy)
+            return await long, late, long_was_done, passes(backend)
 
     g_long, late, long_was_done, calls = run(main())
     assert not long_was_done
@@ -341,12 +341,12 @@ def test_sliding_window_cache_keeps_late_requests_correct():
     lengths = [3, 12, 7, 9]
 
     async def main():
-        async with HFPolicy(sliding) as policy:
-            long = asyncio.create_task(policy.generate([3, 1, 4, 1], GREEDY.replace(max_new_tokens=30)))
+        async with HFBackend(sliding) as backend:
+            long = asyncio.create_task(backend.generate([3, 1, 4, 1], GREEDY.replace(max_new_tokens=30)))
             await asyncio.sleep(0.01)
-            late = await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=n))
+            late = await asyncio.gather(*(backend.generate(p, GREEDY.replace(max_new_tokens=n))
                                           for p, n in zip(PROMPTS, lengths)))
-            return await long, late, policy.fast_path_reason
+            return await long, late, backend.fast_path_reason
 
     long, late, reason = run(main())
     assert reason.startswith("off") and "sliding-window" in reason  # the fast path does not serve this module
@@ -357,8 +357,8 @@ def test_sliding_window_cache_keeps_late_requests_correct():
 
 def test_max_batch_size_bounds_rows_in_flight(model, engine):
     async def main():
-        async with HFPolicy(model, max_batch_size=2, **engine) as policy:
-            return await asyncio.gather(*(policy.generate(p, GREEDY.replace(max_new_tokens=5)) for p in PROMPTS))
+        async with HFBackend(model, max_batch_size=2, **engine) as backend:
+            return await asyncio.gather(*(backend.generate(p, GREEDY.replace(max_new_tokens=5)) for p in PROMPTS))
 
     for prompt, g in zip(PROMPTS, run(main())):
         assert g.ids == greedy_by_hand(model, prompt, 5)
@@ -369,11 +369,11 @@ def test_same_seed_same_tokens_different_seed_different_tokens(model, engine):
     params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=1234)
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            alone = await policy.generate(PROMPTS[0], params)
-            together = await asyncio.gather(policy.generate(PROMPTS[0], params), policy.generate(PROMPTS[2], params),
-                                            policy.generate(PROMPTS[0], params))
-            other = await policy.generate(PROMPTS[0], params.replace(seed=99))
+        async with HFBackend(model, **engine) as backend:
+            alone = await backend.generate(PROMPTS[0], params)
+            together = await asyncio.gather(backend.generate(PROMPTS[0], params), backend.generate(PROMPTS[2], params),
+                                            backend.generate(PROMPTS[0], params))
+            other = await backend.generate(PROMPTS[0], params.replace(seed=99))
             return alone, together, other
 
     alone, together, other = run(main())
@@ -383,9 +383,9 @@ def test_same_seed_same_tokens_different_seed_different_tokens(model, engine):
 
 def test_generate_many_gives_a_group_distinct_reproducible_seeds(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
+        async with HFBackend(model, **engine) as backend:
             params = SamplingParams(max_new_tokens=12, seed=7)
-            return await policy.generate_many([PROMPTS[0]] * 3, params), await policy.generate_many([PROMPTS[0]] * 3,
+            return await backend.generate_many([PROMPTS[0]] * 3, params), await backend.generate_many([PROMPTS[0]] * 3,
                                                                                                     params)
 
     first, second = run(main())
@@ -401,9 +401,9 @@ def test_shares_weights_with_the_trainer(engine):
     target = 123
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            assert policy.model is model
-            before = await policy.generate(PROMPTS[0], GREEDY)
+        async with HFBackend(model, **engine) as backend:
+            assert backend.model is model
+            before = await backend.generate(PROMPTS[0], GREEDY)
             training_after_generation = model.training
             # One optimizer step that makes `target` likely after every position of the greedy output.
             optimizer = torch.optim.SGD(model.parameters(), lr=50.0)
@@ -411,7 +411,7 @@ def test_shares_weights_with_the_trainer(engine):
             loss = -torch.log_softmax(logits, -1)[:, target].mean()
             loss.backward()
             optimizer.step()
-            after = await policy.generate(PROMPTS[0], GREEDY)
+            after = await backend.generate(PROMPTS[0], GREEDY)
             return before, training_after_generation, after
 
     before, training_after_generation, after = run(main())
@@ -426,16 +426,16 @@ def test_update_weights_copies_named_tensors(engine):
     model = tiny_model(seed=2)
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            before = await policy.generate(PROMPTS[0], GREEDY)
+        async with HFBackend(model, **engine) as backend:
+            before = await backend.generate(PROMPTS[0], GREEDY)
             new = {name: torch.randn_like(p) for name, p in model.named_parameters() if "lm_head" in name}
-            await policy.update_weights(new)
-            after = await policy.generate(PROMPTS[0], GREEDY)
+            await backend.update_weights(new)
+            after = await backend.generate(PROMPTS[0], GREEDY)
             with pytest.raises(ValueError, match="unknown parameter"):
-                await policy.update_weights({"no.such.weight": torch.zeros(1)})
+                await backend.update_weights({"no.such.weight": torch.zeros(1)})
             with pytest.raises(NotImplementedError, match="tensors only"):
-                await policy.update_weights(model_path="/some/checkpoint")
-            await policy.flush_cache()  # nothing cached between requests: a no-op
+                await backend.update_weights(model_path="/some/checkpoint")
+            await backend.flush_cache()  # nothing cached between requests: a no-op
             return before, after, new
 
     before, after, new = run(main())
@@ -451,11 +451,11 @@ def test_model_error_fails_every_pending_request_then_recovers(engine):
         raise RuntimeError("boom: CUDA out of memory (simulated)")
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
+        async with HFBackend(model, **engine) as backend:
             break_mlp(model, broken_forward)
-            results = await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS), return_exceptions=True)
+            results = await asyncio.gather(*(backend.generate(p, GREEDY) for p in PROMPTS), return_exceptions=True)
             restore_mlp(model)
-            recovered = await policy.generate(PROMPTS[0], GREEDY)
+            recovered = await backend.generate(PROMPTS[0], GREEDY)
             return results, recovered
 
     results, recovered = run(main(), timeout=20)
@@ -475,10 +475,10 @@ def test_error_during_decoding_fails_the_batch_without_hanging(engine):
         return original(*args, **kwargs)
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            await policy.resume_memory()  # the cache first: on CUDA that captures the lone prefill graphs (calls)
+        async with HFBackend(model, **engine) as backend:
+            await backend.resume_memory()  # the cache first: on CUDA that captures the lone prefill graphs (calls)
             break_mlp(model, fails_on_third_call)  # called once per pass (a graph capture warms up with calls)
-            return await asyncio.gather(*(policy.generate(p, GREEDY) for p in PROMPTS[:2]), return_exceptions=True)
+            return await asyncio.gather(*(backend.generate(p, GREEDY) for p in PROMPTS[:2]), return_exceptions=True)
 
     results = run(main(), timeout=20)
     assert all(isinstance(r, GenerationError) and "decoding" in str(r) for r in results)
@@ -490,8 +490,8 @@ def test_error_during_decoding_fails_the_batch_without_hanging(engine):
 ])
 def test_bad_prompts_are_rejected_clearly(model, prompt, message, engine):
     async def main():
-        async with HFPolicy(model, max_context_len=64, **engine) as policy:
-            await policy.generate(prompt, GREEDY)
+        async with HFBackend(model, max_context_len=64, **engine) as backend:
+            await backend.generate(prompt, GREEDY)
 
     with pytest.raises(ValueError, match=message):
         run(main())
@@ -499,8 +499,8 @@ def test_bad_prompts_are_rejected_clearly(model, prompt, message, engine):
 
 def test_stop_token_outside_vocabulary_is_rejected(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            await policy.generate([1, 2], GREEDY.replace(stop_token_ids=(VOCAB + 5,)))
+        async with HFBackend(model, **engine) as backend:
+            await backend.generate([1, 2], GREEDY.replace(stop_token_ids=(VOCAB + 5,)))
 
     with pytest.raises(ValueError, match="stop token"):
         run(main())
@@ -508,29 +508,29 @@ def test_stop_token_outside_vocabulary_is_rejected(model, engine):
 
 def test_close_aborts_running_requests_and_rejects_new_ones(model, engine):
     async def main():
-        policy = HFPolicy(model, **engine)
-        running = asyncio.create_task(policy.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=400)))
-        while passes(policy) < 3:
+        backend = HFBackend(model, **engine)
+        running = asyncio.create_task(backend.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=400)))
+        while passes(backend) < 3:
             await asyncio.sleep(0.001)
-        await policy.close()
+        await backend.close()
         aborted = await running
-        with pytest.raises(PolicyError, match="closed"):
-            await policy.generate(PROMPTS[0], GREEDY)
-        with pytest.raises(PolicyError, match="closed"):
-            await policy.release_memory()
-        return aborted, policy
+        with pytest.raises(BackendError, match="closed"):
+            await backend.generate(PROMPTS[0], GREEDY)
+        with pytest.raises(BackendError, match="closed"):
+            await backend.release_memory()
+        return aborted, backend
 
-    aborted, policy = run(main())
+    aborted, backend = run(main())
     assert aborted.finish_reason == "abort"
     assert 0 < len(aborted.ids) < 400 and len(aborted.logprobs) == len(aborted.ids)
-    assert not policy._thread.is_alive()
+    assert not backend._thread.is_alive()
 
 
 def test_cancelled_request_does_not_disturb_the_others(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            doomed = asyncio.create_task(policy.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=300)))
-            kept = asyncio.create_task(policy.generate(PROMPTS[1], GREEDY))
+        async with HFBackend(model, **engine) as backend:
+            doomed = asyncio.create_task(backend.generate(PROMPTS[0], GREEDY.replace(max_new_tokens=300)))
+            kept = asyncio.create_task(backend.generate(PROMPTS[1], GREEDY))
             await asyncio.sleep(0.02)
             doomed.cancel()
             return await kept
@@ -543,13 +543,13 @@ def test_a_submitted_request_reaches_the_worker_before_the_event_loop_runs_again
     still in the code that submitted it (a burst of requests read in one callback reaches the engine as it is read,
     not at the loop's next pass, as a task's first step would)."""
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            before = policy.stats["prefill_passes"]
-            future = policy.submit(PROMPTS[0], GREEDY)
+        async with HFBackend(model, **engine) as backend:
+            before = backend.stats["prefill_passes"]
+            future = backend.submit(PROMPTS[0], GREEDY)
             deadline = time.monotonic() + 20  # no await until then: this thread holds the event loop
-            while policy.stats["prefill_passes"] == before and time.monotonic() < deadline:
+            while backend.stats["prefill_passes"] == before and time.monotonic() < deadline:
                 time.sleep(0.001)
-            return policy.stats["prefill_passes"] - before, await future
+            return backend.stats["prefill_passes"] - before, await future
 
     prefilled, turn = run(main())
     assert prefilled == 1
@@ -558,15 +558,15 @@ def test_a_submitted_request_reaches_the_worker_before_the_event_loop_runs_again
 
 def test_cancelling_a_submitted_future_drops_its_row(model, engine):
     async def main():
-        async with HFPolicy(model, **engine) as policy:
-            doomed = policy.submit(PROMPTS[0], GREEDY.replace(max_new_tokens=300))
-            kept = policy.submit(PROMPTS[1], GREEDY)
-            while passes(policy) < 3:
+        async with HFBackend(model, **engine) as backend:
+            doomed = backend.submit(PROMPTS[0], GREEDY.replace(max_new_tokens=300))
+            kept = backend.submit(PROMPTS[1], GREEDY)
+            while passes(backend) < 3:
                 await asyncio.sleep(0.001)
             doomed.cancel()
             turn = await kept
-            with counted(policy) as later:
-                await policy.generate(PROMPTS[2], GREEDY)
+            with counted(backend) as later:
+                await backend.generate(PROMPTS[2], GREEDY)
             return turn, later
 
     turn, later = run(main())
@@ -585,9 +585,9 @@ def test_output_feeds_a_conversation(qwen25, engine):
     conversation = Conversation(fmt, [{"role": "user", "content": "What is 2+2?"}])
 
     async def main():
-        async with HFPolicy(model, **engine) as policy:
+        async with HFBackend(model, **engine) as backend:
             params = SamplingParams(max_new_tokens=6, stop_token_ids=(fmt.end_of_turn_id,), seed=0)
-            return await policy.generate(conversation.context_ids, params)
+            return await backend.generate(conversation.context_ids, params)
 
     g = run(main())
     turn = conversation.add_assistant(g.ids, g.logprobs, g.finish_reason)
@@ -604,8 +604,8 @@ def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model, engin
     params = SamplingParams(temperature=1.5, max_new_tokens=40, seed=3)
 
     async def go():
-        async with HFPolicy(model, vocab_limit=limit, **engine) as policy:
-            return await asyncio.gather(*(policy.generate([1, 2, 3, i], params.replace(seed=i)) for i in range(8)))
+        async with HFBackend(model, vocab_limit=limit, **engine) as backend:
+            return await asyncio.gather(*(backend.generate([1, 2, 3, i], params.replace(seed=i)) for i in range(8)))
 
     gens = run(go())
     ids = [t for g in gens for t in g.ids]
@@ -618,4 +618,4 @@ def test_vocab_limit_keeps_padding_rows_out_and_matches_the_trainer(model, engin
         lp, _ = PolicyModel(model, vocab_limit=limit)(seq, target, temperature=1.5)
     assert torch.allclose(lp[0, len(prompt):].cpu(), torch.tensor(gen.logprobs), atol=1e-4)
     with pytest.raises(ValueError, match="vocab_limit"):
-        HFPolicy(model, vocab_limit=VOCAB + 1, **engine)
+        HFBackend(model, vocab_limit=VOCAB + 1, **engine)

@@ -1,4 +1,4 @@
-"""HFPolicy: the embedded engine (`agents.engine`) behind the asyncio `Policy` interface, in this process, on the
+"""HFBackend: the embedded engine (`agents.engine`) behind the asyncio `Backend` interface, in this process, on the
 trainer's own module (no copy: an optimizer step is visible to the next generation).
 
 A worker thread owns the engine. `submit` checks a request and queues it; the worker takes what is queued, gathers
@@ -7,13 +7,13 @@ futures from the event loop's thread, all of one step's in one callback. Request
 join at the next step. See docs/engine.md for the design and docs/processes.md for the threads.
 
     >>> import asyncio, torch, transformers
-    >>> from agents.hf_policy import HFPolicy
-    >>> from agents.policy import SamplingParams
+    >>> from agents.hf_backend import HFBackend
+    >>> from agents.backend import SamplingParams
     >>> config = transformers.Qwen2Config(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
     ...                                   num_key_value_heads=1, intermediate_size=64)
     >>> async def main():
-    ...     async with HFPolicy(transformers.Qwen2ForCausalLM(config), seed=0) as policy:
-    ...         return await policy.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
+    ...     async with HFBackend(transformers.Qwen2ForCausalLM(config), seed=0) as backend:
+    ...         return await backend.generate([1, 2, 3], SamplingParams(max_new_tokens=4))
     >>> len(asyncio.run(main()).ids)
     4
 """
@@ -40,7 +40,7 @@ from .engine import Sequence as EngineSequence
 from .engine.layout import module_device
 from .engine.scheduler import one_prefill_pass_takes
 from .engine.transformers_runner import TransformersEngine
-from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
+from .backend import Backend, BackendError, GenerationError, SamplingParams, check_prompt_ids
 
 _STOP = object()  # queued by close(): the worker aborts what is left and exits
 #: longest gathering of requests that keep arriving (each within `gather_window_s` of the last), in windows
@@ -50,7 +50,7 @@ SERVING_SWITCH_INTERVAL_S = 0.0005
 
 
 class _SwitchInterval:
-    """Lowers the interpreter's thread switch interval while any HFPolicy worker serves, so that the worker, which
+    """Lowers the interpreter's thread switch interval while any HFBackend worker serves, so that the worker, which
     releases the GIL at every device wait, gets it back quickly while the caller's event loop is busy (with the
     default 5 ms a short decode step would stretch to several times its length). Process-wide and counted: the
     previous value comes back when the last serving worker goes idle."""
@@ -140,7 +140,7 @@ class _Call:
         _resolve(self.loop, [(self.future, result, error)])
 
 
-class HFPolicy(Policy):
+class HFBackend(Backend):
     """Generate with a Hugging Face causal LM (any ``AutoModelForCausalLM``-style module) in this process.
 
     Args:
@@ -165,7 +165,7 @@ class HFPolicy(Policy):
                  max_context_len: int | None = None, seed: int | None = None, pad_token_id: int = 0,
                  vocab_limit: int | None = None, fast_path: bool | str = "auto", **engine_options: Any):
         if not isinstance(model, nn.Module):
-            raise TypeError(f"HFPolicy needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
+            raise TypeError(f"HFBackend needs a torch nn.Module (a transformers causal LM), got {type(model).__name__}")
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if gather_window_s < 0:
@@ -191,7 +191,7 @@ class HFPolicy(Policy):
         self._dead: BaseException | None = None
         self._serving_since: float | None = None  # busy_s counted up to here while serving (None: idle)
         self._restore_training = False
-        self._thread = threading.Thread(target=self._work, name="HFPolicy-worker", daemon=True)
+        self._thread = threading.Thread(target=self._work, name="HFBackend-worker", daemon=True)
         self._thread.start()
 
     def _make_engine(self, fast_path: bool | str, max_context_len: int | None, seed: int | None, pad_token_id: int,
@@ -227,7 +227,7 @@ class HFPolicy(Policy):
         return await self.submit(prompt_ids, params)
 
     def submit(self, prompt_ids: Sequence[int], params: SamplingParams | None = None) -> asyncio.Future[ModelTurn]:
-        """`Policy.submit`: the request is checked and queued for the worker now (a bad one's error is the
+        """`Backend.submit`: the request is checked and queued for the worker now (a bad one's error is the
         future's); cancelling the future drops its row at the worker's next step. Every generation starts here."""
         loop = asyncio.get_running_loop()
         try:
@@ -265,10 +265,10 @@ class HFPolicy(Policy):
     async def update_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
                              | None = None, *, model_path: str | None = None, **kwargs: Any) -> None:
         """Copy tensors into the module's parameters/buffers of the same names, between two engine steps. Rarely
-        needed: the policy runs the trainer's module. The copies are in place (CUDA graphs see them), and the
+        needed: the backend runs the trainer's module. The copies are in place (CUDA graphs see them), and the
         engine drops its cached prefixes before the next prefill (the weights' version counters moved)."""
         if model_path is not None or kwargs:
-            raise NotImplementedError("HFPolicy updates weights from tensors only (named_tensors=...); it shares "
+            raise NotImplementedError("HFBackend updates weights from tensors only (named_tensors=...); it shares "
                                       "its module with the trainer, which usually makes updates unnecessary")
         if named_tensors is None:
             raise ValueError("update_weights needs named_tensors: {name: tensor} or (name, tensor) pairs")
@@ -304,16 +304,16 @@ class HFPolicy(Policy):
         return runner.cache_bytes() if runner is not None and runner.allocated else 0
 
     def __repr__(self) -> str:
-        return (f"HFPolicy({type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
+        return (f"HFBackend({type(self.model).__name__}, max_batch_size={self.max_batch_size}, "
                 f"vocab_size={self.vocab_size}, fast_path={self.fast_path}, closed={self._closed})")
 
     # ----------------------------------------------------------------------------------------- the caller's side
     def _submit(self, item: EngineSequence | _Call) -> None:
         with self._submit_lock:
             if self._closed:
-                raise PolicyError("this HFPolicy is closed")
+                raise BackendError("this HFBackend is closed")
             if self._dead is not None:
-                raise PolicyError(f"HFPolicy's worker thread died: {self._dead!r}") from self._dead
+                raise BackendError(f"HFBackend's worker thread died: {self._dead!r}") from self._dead
             self._queue.put(item)
 
     async def _in_worker(self, fn: Callable[[], Any]) -> Any:
@@ -325,7 +325,7 @@ class HFPolicy(Policy):
 
     def _release(self) -> None:
         if self._engine.busy():
-            raise PolicyError(f"cannot release memory while {self._engine.running()} request(s) are in flight")
+            raise BackendError(f"cannot release memory while {self._engine.running()} request(s) are in flight")
         self._engine.release()
 
     def _allocate(self) -> None:
@@ -354,7 +354,7 @@ class HFPolicy(Policy):
         except BaseException as e:  # a bug in the scheduler itself: fail everyone rather than hang them
             with self._submit_lock:
                 self._dead = e
-            error = PolicyError(f"HFPolicy's worker thread died: {type(e).__name__}: {e}")
+            error = BackendError(f"HFBackend's worker thread died: {type(e).__name__}: {e}")
             error.__cause__ = e
             everyone = self._engine.abort() + self._queued()
             for seq in everyone:
@@ -475,7 +475,7 @@ class HFPolicy(Policy):
             except queue.Empty:
                 return requests
             if isinstance(item, _Call):
-                _resolve(item.loop, [(item.future, None, PolicyError("this HFPolicy is closed"))])
+                _resolve(item.loop, [(item.future, None, BackendError("this HFBackend is closed"))])
             elif item is not _STOP:
                 item.outcome = item.outcome or "abort"
                 requests.append(item)
@@ -539,4 +539,4 @@ def _vocab_size(model: nn.Module) -> int:
     return int(size)
 
 
-__all__ = ["HFPolicy", "GenerationError", "new_stats"]
+__all__ = ["HFBackend", "GenerationError", "new_stats"]

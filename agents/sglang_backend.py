@@ -1,45 +1,13 @@
-"""SGLang backends: an engine inside this process (`SGLangEnginePolicy`) or running servers over HTTP
-(`SGLangServerPolicy`).
+"""SGLang backends: an engine inside this process (`SGLangEngineBackend`) or running servers over HTTP
+(`SGLangServerBackend`).
 
 SGLang is an optional extra (its wheel pins its own torch and about 10 GB of CUDA libraries):
 ``pip install "mt-env[sglang]"`` on the GPU machine that serves the model. It is imported only when an engine is
 built. The server client needs only ``httpx``.
 
-What the code below relies on, from SGLang's documentation and source (reference, not copied):
-
-* **Request** — native ``POST /generate`` (docs: https://docs.sglang.io/basic_usage/native_api.html and the
-  ``/generate`` table of https://docs.sglang.io/basic_usage/sampling_params.html) and ``Engine.async_generate``
-  (``python/sglang/srt/entrypoints/engine.py``) take the same fields (``io_struct.py::GenerateReqInput``):
-  ``input_ids`` (one list of ints = one request), ``sampling_params`` (``max_new_tokens``, ``temperature`` with 0 =
-  greedy, ``top_p``, ``top_k`` with -1 = off, ``stop_token_ids``; recent versions also ``sampling_seed``) and
-  ``return_logprob``. Servers fill missing sampling fields from the model's ``generation_config.json``
-  (``--sampling-defaults model``), so every field is sent explicitly.
-* **Response** — one dict per request. ``meta_info["output_token_logprobs"]`` is a list of
-  ``[logprob, token_id, token_text_or_null]``, one per sampled token; ``meta_info["finish_reason"]`` is
-  ``{"type": "stop", "matched": <id or string>}``, ``{"type": "length", "length": n}`` or
-  ``{"type": "abort", "message": ...}`` (the ``to_json`` of ``FINISH_MATCHED_TOKEN`` / ``FINISH_LENGTH`` /
-  ``FINISH_ABORT`` in ``python/sglang/srt/managers/schedule_batch.py``); recent versions add ``output_ids`` (the
-  same ids) next to ``text``; ``meta_info`` also carries ``prompt_tokens``, ``completion_tokens``,
-  ``cached_tokens``, ``e2e_latency`` (``tokenizer_manager.py``).
-* **Stopping** — the matched stop token is part of the output ids and logprobs (the request's finished length
-  counts it). SGLang also stops on the model's own EOS ids, besides ``stop_token_ids``
-  (``Req._check_token_based_finish``); ``ignore_eos`` would disable both, so it is not used.
-* **Logprobs** — by default SGLang reports ``log(softmax(logits / T))`` before top-p/top-k, and greedy requests run
-  as ``top_k=1`` at ``T=1``, i.e. the raw logits' log-softmax (``python/sglang/srt/layers/sampler.py``): mt_env's
-  convention (`agents.policy`). Leave ``SGLANG_RETURN_ORIGINAL_LOGPROB`` unset on the servers: it switches to
-  logprobs before the temperature.
-* **Seeds** — ``sampling_seed`` is honoured by recent SGLang, reproducibly only with deterministic inference
-  (https://docs.sglang.io/advanced_features/deterministic_inference.html); older servers reject the field: build
-  the policy with ``send_seed=False`` there.
-* **Weight sync** — HTTP: ``POST /update_weights_from_disk`` ``{"model_path", "load_format"?}`` answering
-  ``{"success", "message", ...}``, ``/release_memory_occupation`` and ``/resume_memory_occupation`` ``{"tags"?}``,
-  ``/flush_cache``, ``GET /health`` (``python/sglang/srt/entrypoints/http_server.py``). Engine: its control methods
-  are synchronous wrappers that run ``loop.run_until_complete`` on the engine's loop, which cannot be called from
-  a running event loop; so the engine policy awaits the same ``engine.tokenizer_manager`` coroutines they wrap
-  (``update_weights_from_tensor``, ``update_weights_from_disk``, ``release_memory_occupation``,
-  ``resume_memory_occupation``, ``flush_cache``), as RL frameworks embedding SGLang do.
-
-How to start servers and point mt_env at them: ``docs/sglang.md``.
+The request and response fields, stop and logprob conventions, seeds and weight-sync calls this code relies on,
+with where SGLang defines them: docs/sglang.md ("The protocol, as mt_env reads it").
+How to start servers and point mt_env at them: docs/sglang.md.
 """
 
 from __future__ import annotations
@@ -53,7 +21,7 @@ from typing import Any
 
 from mt_env.turn import FINISH_REASONS, ModelTurn
 
-from .policy import GenerationError, Policy, PolicyError, SamplingParams, check_prompt_ids
+from .backend import Backend, BackendError, GenerationError, SamplingParams, check_prompt_ids
 
 INSTALL_HINT = 'pip install "mt-env[sglang]"'
 _RETRY_STATUSES = (502, 503, 504)  # a router without workers, an overloaded or restarting server: try another one
@@ -125,7 +93,7 @@ def import_sglang():
 
 
 # --------------------------------------------------------------------------------------------- in-process engine
-class SGLangEnginePolicy(Policy):
+class SGLangEngineBackend(Backend):
     """An SGLang engine in this process: ``sglang.Engine(model_path=..., **engine_kwargs)``, one
     ``await engine.async_generate(input_ids=..., sampling_params=..., return_logprob=True)`` per request (the
     engine batches them itself).
@@ -158,7 +126,7 @@ class SGLangEnginePolicy(Policy):
         params = params or SamplingParams()
         prompt = check_prompt_ids(prompt_ids)
         if self._closed:
-            raise PolicyError("this SGLangEnginePolicy is closed")
+            raise BackendError("this SGLangEngineBackend is closed")
         started = time.perf_counter()
         try:
             output = await self.engine.async_generate(
@@ -170,7 +138,7 @@ class SGLangEnginePolicy(Policy):
         return generation
 
     async def close(self) -> None:
-        """Shut the engine down if this policy started it."""
+        """Shut the engine down if this backend started it."""
         if not self._closed:
             self._closed = True
             if self._owns_engine:
@@ -223,7 +191,7 @@ class SGLangEnginePolicy(Policy):
 
 
 # --------------------------------------------------------------------------------------------- HTTP servers
-class SGLangServerPolicy(Policy):
+class SGLangServerBackend(Backend):
     """Running SGLang servers (``python -m sglang.launch_server``), or one router in front of them, over HTTP.
 
     Each request goes to the server with the fewest requests in flight (ties in turn). A server that cannot be
@@ -236,7 +204,7 @@ class SGLangServerPolicy(Policy):
         timeout_s: limit for one request (connect, send, generate, read), also for weight updates.
         connect_timeout_s: limit for opening a connection, and for each ``/health`` probe.
         check_health: probe ``GET /health`` on every server before the first request; failure raises
-            `PolicyError` naming the servers that did not answer.
+            `BackendError` naming the servers that did not answer.
         admin_urls: where weight-sync calls go (default `urls`); give the workers' URLs when `urls` is a router.
         retry_cooldown_s: how long an unreachable server is passed over.
         max_connections: open connections at most (requests beyond wait for one).
@@ -281,7 +249,7 @@ class SGLangServerPolicy(Policy):
         params = params or SamplingParams()
         prompt = check_prompt_ids(prompt_ids)
         if self._closed:
-            raise PolicyError("this SGLangServerPolicy is closed")
+            raise BackendError("this SGLangServerBackend is closed")
         await self._ensure_healthy()
         payload = {"input_ids": prompt, "sampling_params": sglang_sampling_params(params, self.send_seed),
                    "return_logprob": True}
@@ -338,11 +306,11 @@ class SGLangServerPolicy(Policy):
 
     # ----------------------------------------------------------------------------------------- health
     async def check_health(self) -> None:
-        """Probe ``GET /health`` on every server; raise `PolicyError` listing those that did not answer 200."""
+        """Probe ``GET /health`` on every server; raise `BackendError` listing those that did not answer 200."""
         problems = await asyncio.gather(*(self._probe(url) for url in self.urls))
         bad = [f"{url}: {problem}" for url, problem in zip(self.urls, problems) if problem]
         if bad:
-            raise PolicyError(
+            raise BackendError(
                 f"{len(bad)} of {len(self.urls)} SGLang server(s) are not healthy: " + "; ".join(bad)
                 + ". Start each with `python -m sglang.launch_server --model-path ... --port ...` and wait for "
                   "'The server is fired up' (see docs/sglang.md), or check the URLs."
@@ -379,7 +347,7 @@ class SGLangServerPolicy(Policy):
         if named_tensors is not None:
             raise NotImplementedError(
                 "an SGLang server runs in another process and cannot take this process's tensors over HTTP: save a "
-                "checkpoint and pass model_path=..., or use SGLangEnginePolicy (update_weights_from_tensor)")
+                "checkpoint and pass model_path=..., or use SGLangEngineBackend (update_weights_from_tensor)")
         if model_path is None:
             raise ValueError("update_weights needs model_path= (a checkpoint folder the servers can read)")
         body: dict[str, Any] = {"model_path": model_path}
@@ -402,7 +370,7 @@ class SGLangServerPolicy(Policy):
         problems = await asyncio.gather(*(self._admin_call(url, path, body) for url in self.admin_urls))
         failed = [p for p in problems if p]
         if failed:
-            raise PolicyError(f"{path} failed on {len(failed)} of {len(self.admin_urls)} server(s): "
+            raise BackendError(f"{path} failed on {len(failed)} of {len(self.admin_urls)} server(s): "
                               + "; ".join(failed))
 
     async def _admin_call(self, url: str, path: str, body: dict | None) -> str | None:
@@ -441,7 +409,7 @@ class SGLangServerPolicy(Policy):
             await client.aclose()
 
     def __repr__(self) -> str:
-        return f"SGLangServerPolicy({self.urls}, in_flight={self.in_flight})"
+        return f"SGLangServerBackend({self.urls}, in_flight={self.in_flight})"
 
 
 # --------------------------------------------------------------------------------------------- helpers
@@ -449,7 +417,7 @@ def _import_httpx():
     try:
         return importlib.import_module("httpx")
     except ImportError as e:
-        raise ImportError("SGLangServerPolicy needs httpx: pip install httpx") from e
+        raise ImportError("SGLangServerBackend needs httpx: pip install httpx") from e
 
 
 def _clean_urls(urls: str | Sequence[str]) -> list[str]:
@@ -483,7 +451,7 @@ def _error_message(response) -> str:
 
 
 def _check_result(action: str, result: Any) -> None:
-    """Raise `PolicyError` when an SGLang control call reports failure (tuple, dict or object with `success`)."""
+    """Raise `BackendError` when an SGLang control call reports failure (tuple, dict or object with `success`)."""
     if result is None:
         return
     if isinstance(result, tuple):
@@ -493,4 +461,4 @@ def _check_result(action: str, result: Any) -> None:
     else:
         success, message = getattr(result, "success", True), getattr(result, "message", "")
     if not success:
-        raise PolicyError(f"SGLang {action} failed: {message}")
+        raise BackendError(f"SGLang {action} failed: {message}")
