@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -66,7 +67,27 @@ def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_
 
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for `x` [M, K] and `weight` [N, K] of one dtype (bfloat16, float16 or float32), float32
-    accumulation, in x's dtype: a row's bits do not depend on M or on the row's place among the others."""
+    accumulation, in x's dtype: a row's bits do not depend on M or on the row's place among the others.
+    Differentiable (the backward is torch's: gradients are not compared bit for bit)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Matmul.apply(x, weight)
+    return _matmul(x, weight)
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (grad @ weight if ctx.needs_input_grad[0] else None,
+                grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"exact matmul: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.dtype not in MATMUL_CONFIGS:
@@ -139,7 +160,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
               scale: float) -> torch.Tensor:
     """`agents.exact.attention`'s contract: queries `q` [S, heads, Tq, d] at positions `q_pos` [S, Tq] over keys and
     values `k`, `v` [S, kv_heads, Tk, d] indexed by position, the first `k_len` [S] valid; float32 [S, heads, Tq, d]
-    (0 for a query that sees no key). `k` and `v` are read in q's dtype (bfloat16, float16 or float32)."""
+    (0 for a query that sees no key). `k` and `v` are read in q's dtype (bfloat16, float16 or float32).
+    Differentiable: the backward recomputes the attention with SDPA under the same mask (gradients are not compared
+    bit for bit)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, q_pos, k_len, scale)
+    return _attention(q, k, v, q_pos, k_len, scale)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_len, scale):
+        ctx.save_for_backward(q, k, v, q_pos, k_len)
+        ctx.scale = scale
+        return _attention(q, k, v, q_pos, k_len, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:3], ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            out = _reference(*inputs, *saved[3:], ctx.scale)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def _reference(q, k, v, q_pos, k_len, scale):
+    """The same attention through SDPA (differentiable), float32 out: what the backward differentiates."""
+    keys = torch.arange(k.shape[2], device=q.device)
+    visible = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
+    seen = visible.any(-1)  # a query that sees nothing outputs 0: its mask opens (no NaN) and its output is zeroed
+    visible = visible | ~seen[..., None]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.to(q.dtype).repeat_interleave(group, 1), v.to(q.dtype).repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+    return out.float() * seen[:, None, :, None]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
+               scale: float) -> torch.Tensor:
     S, heads, Tq, d = q.shape
     if k.dim() != 4 or k.shape != v.shape or k.shape[0] != S or k.shape[3] != d or heads % k.shape[1]:
         raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] with kv_heads dividing "

@@ -129,3 +129,18 @@ def test_a_query_that_sees_no_key_gets_zero_and_bad_shapes_are_refused():
         triton_exact.attention(randn(1, 3, 3, 16, seed=0), randn(1, 2, 5, 16, seed=1), randn(1, 2, 5, 16, seed=1),
                                torch.zeros(1, 3, dtype=torch.long, device=DEVICE),
                                torch.ones(1, dtype=torch.long, device=DEVICE), 0.25)
+
+
+def test_the_kernels_are_differentiable_as_the_torch_versions():
+    """The update's forward runs exact mode with gradients: the kernels' gradients are the torch versions'."""
+    x, w = randn(37, 40, seed=0).requires_grad_(), randn(24, 40, seed=1).requires_grad_()
+    q, k, v = (randn(2, h, 20, 16, seed=2 + h).requires_grad_() for h in (4, 2, 2))
+    positions, lengths = torch.arange(20, device=DEVICE).expand(2, -1), torch.tensor([20, 11], device=DEVICE)
+    g = torch.autograd.grad(triton_exact.matmul(x, w).square().sum(), (x, w))
+    for a, b in zip(g, torch.autograd.grad((x @ w.t()).square().sum(), (x, w))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    g = torch.autograd.grad(triton_exact.attention(q, k, v, positions, lengths, 0.25).square().sum(), (q, k, v))
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    out = exact.attention(*cpu, positions.cpu(), lengths.cpu(), 0.25)  # the torch version (CPU)
+    for a, b in zip(g, torch.autograd.grad(out.square().sum(), cpu)):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
