@@ -21,6 +21,10 @@ cached prefix, or the trainer scores it in a padded or packed micro-batch of any
 `TorchFunctionMode`, thread-local): the engine's layer functions and the transformers forward of the trainer then
 run the module's own code — adapters (LoRA) included — with exact operations, with no copy of the model's code.
 The trainer's attention goes through `sequence_attention` (`trainers.modeling` passes the layout).
+
+On CUDA, where Triton imports, `linear` and `attention` run `agents.triton_exact`'s kernels instead (`_kernels`: the one
+switch, by device alone, so the engine and the trainer always take the same path): a fixed tile configuration for the
+matmul and a fixed key split for attention, in one launch each. This module's torch versions remain the CPU path.
 """
 
 from __future__ import annotations
@@ -35,6 +39,23 @@ from torch.overrides import TorchFunctionMode
 TILE_ROWS = 32
 #: key positions per block of `attention`'s online softmax
 KEY_BLOCK = 32
+
+
+def _kernels(t: torch.Tensor):
+    """`agents.triton_exact` when `t` is on CUDA and Triton imports, else None (the torch versions below)."""
+    global _TRITON
+    if t.device.type != "cuda":
+        return None
+    if _TRITON is None:
+        try:
+            from . import triton_exact
+        except ImportError:  # a torch build without Triton: the torch versions, slower but exact
+            triton_exact = False
+        _TRITON = triton_exact
+    return _TRITON or None
+
+
+_TRITON = None  #: agents.triton_exact once imported, False when Triton is absent
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -63,11 +84,15 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` whose every row is computed in a matmul of `TILE_ROWS` rows (the bias added after)."""
+    """``F.linear`` whose every row is computed in a matmul of `TILE_ROWS` rows (the bias added after); on CUDA
+    `triton_exact.matmul` (one fixed tile configuration)."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     padded = -(-m // TILE_ROWS) * TILE_ROWS
-    if m == 0:
+    kernels = _kernels(x)
+    if kernels is not None:
+        out = kernels.matmul(rows, weight)
+    elif m == 0:
         out = rows @ weight.t()
     else:  # a fresh allocation: every tile starts at the same alignment
         tiles = torch.cat([rows, rows.new_zeros(padded - m, rows.shape[1])])
@@ -90,7 +115,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
               scale: float) -> torch.Tensor:
     """Causal attention of queries `q` [S, heads, Tq, d] at positions `q_pos` [S, Tq] over keys/values `k`, `v`
     [S, kv_heads, Tk, d] whose index is their position, the first `k_len` [S] of them valid: [S, heads, Tq, d].
-    Online softmax over blocks of `KEY_BLOCK` keys from position 0, in float32; a query that sees no key gets 0."""
+    Online softmax over blocks of `KEY_BLOCK` keys from position 0, in float32; a query that sees no key gets 0.
+    On CUDA `triton_exact.attention` (blocks of its own `KEY_BLOCK`), the same function for the engine and trainer."""
+    kernels = _kernels(q)
+    if kernels is not None:
+        return kernels.attention(q, k, v, q_pos, k_len, scale)
     heads, kv_heads = q.shape[1], k.shape[1]
     k, v = k.repeat_interleave(heads // kv_heads, 1).float(), v.repeat_interleave(heads // kv_heads, 1).float()
     q = q.float()

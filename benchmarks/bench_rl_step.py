@@ -20,6 +20,10 @@ the 7B recipe on one GPU) reports step time and peak memory; its raw baseline is
 same model, with its AdamW state, is not what it is compared with, and would not fit beside it), and its MFU counts
 the full model's 6 x parameters as for the others.
 
+The record also holds `mismatch_abs_max`, the largest ``mismatch/logprob_abs_max`` of any step (the rollout's
+logprobs against the trainer's; 0.0 in exact mode, issue 28), and `exact_logprobs`, the recipe's mode
+(``--set rollout.exact_logprobs=true`` turns it on).
+
     python benchmarks/bench_rl_step.py                     # on a GPU: writes benchmarks/results/h200/rl_step.json
     python benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 \
         --out benchmarks/results/h200/rl_step_7b_lora.json                                # 7B LoRA on one GPU
@@ -76,6 +80,13 @@ def steady(rows: list[dict], warmup: int) -> dict:
     # the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`: ``engine/*``)
     out["engine"] = {key.removeprefix("engine/"): median(key) for key in kept[0] if key.startswith("engine/")}
     return out
+
+
+def mismatch_of(rows: list[dict], cfg) -> dict:
+    """The rollout/trainer logprob mismatch over every step (warm-up included: in exact mode each must be 0.0):
+    `mismatch_abs_max`, the max of ``mismatch/logprob_abs_max`` (None when no step reports it), and the mode."""
+    values = [r["mismatch/logprob_abs_max"] for r in rows if r.get("mismatch/logprob_abs_max") is not None]
+    return {"mismatch_abs_max": max(values) if values else None, "exact_logprobs": bool(cfg.rollout.exact_logprobs)}
 
 
 def raw_rates(cfg, tokens: int, seq: int, device: torch.device) -> dict:
@@ -170,6 +181,7 @@ def main():
     figures = steady(rows, args.warmup)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     figures.update(phase_rates(figures, cfg, args, device))
+    figures.update(mismatch_of(rows, cfg))
     figures.update(config=args.config, overrides=overrides, torch=torch.__version__)
     old = f"{figures['old_logprob_s']:.2f}" if figures["old_logprob_s"] else "taken from the update"
     print(f"\nsteady steps {figures['steps']}: step {figures['step_s']:.2f} s "
@@ -182,6 +194,8 @@ def main():
               f"prefill passes {e['prefill_s']:.2f}, {e['decode_passes']:.0f} decode steps: launching "
               f"{e['launch_s']:.2f}, waiting for them {e['step_wait_s']:.2f}), {e['prefilled_tokens']:.0f} tokens "
               f"prefilled, {e['cached_tokens']:.0f} cached; idle {figures['rollout_s'] - e['busy_s']:.2f} s of the rollout's {figures['rollout_s']:.2f}")
+    print(f"logprob mismatch (rollout vs trainer), max over steps: {figures['mismatch_abs_max']} "
+          f"(exact_logprobs {figures['exact_logprobs']})")
     mfu = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in figures["mfu"].items()}
     rates = ", ".join(f"{phase} {figures[f'{phase}_tok_s']:,.0f} tok/s (MFU {mfu[phase]})"
                       for phase in ("old_logprob", "ref", "update") if figures[f"{phase}_tok_s"])

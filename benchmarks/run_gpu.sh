@@ -9,6 +9,8 @@
 #                                        #   -> h200/update, h200/gpu_engine_check
 #   bash benchmarks/run_gpu.sh tests     # 1 GPU: the CUDA tests (engine, Triton attention, HF backend, trainer math)
 #                                        #   -> h200/cuda_tests.txt
+#   bash benchmarks/run_gpu.sh exact     # 1 GPU: exact mode's tests on CUDA (Triton kernels, engine = trainer bit for
+#                                        #   bit), then its cost, on/off -> h200/exact
 #   bash benchmarks/run_gpu.sh lora7b    # 1 GPU: the 7B shape's LoRA recipe, 4 RL steps -> h200/rl_step_7b_lora
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
@@ -76,6 +78,11 @@ case "${1:-}" in
       pytest tests/test_engine.py tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_backend_hf.py \
       tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
+  exact)  # exact mode (issue 28): the CUDA tests, then engine and trainer-pass throughput with it off and on
+    MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py -q \
+      -p no:cacheprovider 2>&1 | tail -6; echo "exact tests rc=${PIPESTATUS[0]}"
+    timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b 2>&1 | tail -4
+    echo "bench_exact rc=${PIPESTATUS[0]}" ;;
   lora7b)  # the 7B shape's LoRA recipe, 4 RL steps phase by phase -> h200/rl_step_7b_lora
     timeout 500 python3 benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 --warmup 1 \
       --out "${MT_ENV_RESULTS:-benchmarks/results}/h200/rl_step_7b_lora.json" 2>&1 | tail -9
@@ -100,5 +107,5 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|lora7b|scaling|fsdp|driver256|ab256" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|scaling|fsdp|driver256|ab256" >&2; exit 2 ;;
 esac

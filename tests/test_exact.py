@@ -213,23 +213,24 @@ def test_the_sampled_token_is_the_one_the_trainers_logits_give(model):
 def test_linear_rows_do_not_depend_on_the_other_rows(m, picks, k, bias):
     """`exact.linear` of any selection of rows, in any order, equals those rows of the full product."""
     g = torch.Generator().manual_seed(m)
-    x, w = torch.randn(80, k, generator=g), torch.randn(48, k, generator=g)
-    b = torch.randn(48, generator=g) if bias else None
-    rows = torch.tensor([p % m for p in picks])
+    x, w = torch.randn(80, k, generator=g).to(DEVICE), torch.randn(48, k, generator=g).to(DEVICE)
+    b = torch.randn(48, generator=g).to(DEVICE) if bias else None
+    rows = torch.tensor([p % m for p in picks], device=DEVICE)
     assert torch.equal(exact.linear(x[:m][rows], w, b), exact.linear(x[:m], w, b)[rows])
     torch.testing.assert_close(exact.linear(x[:m], w, b), torch.nn.functional.linear(x[:m], w, b))
 
 
 def test_attention_of_one_query_equals_the_full_pass_and_the_reference():
     """A decode query over a cache padded with junk beyond its length equals the same query in a causal pass over
-    the whole sequence; both match SDPA to rounding."""
+    the whole sequence; both match SDPA to rounding (on CUDA: the Triton kernel, `exact._kernels`)."""
     g = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(1, 4, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g), \
-        torch.randn(1, 2, 70, 16, generator=g)
-    full = exact.attention(q, k, v, torch.arange(70)[None], torch.tensor([70]), 0.25)
-    junk = torch.cat([k, torch.randn(1, 2, 60, 16, generator=g)], 2), torch.cat([v, torch.randn(1, 2, 60, 16)], 2)
+    q, k, v = (torch.randn(1, h, 70, 16, generator=g).to(DEVICE) for h in (4, 2, 2))
+    full = exact.attention(q, k, v, torch.arange(70, device=DEVICE)[None], torch.tensor([70], device=DEVICE), 0.25)
+    junk = (torch.cat([k, torch.randn(1, 2, 60, 16, generator=g).to(DEVICE)], 2),
+            torch.cat([v, torch.randn(1, 2, 60, 16).to(DEVICE)], 2))
     for t in (0, 31, 32, 69):
-        one = exact.attention(q[:, :, t:t + 1], *junk, torch.tensor([[t]]), torch.tensor([t + 1]), 0.25)
+        one = exact.attention(q[:, :, t:t + 1], *junk, torch.tensor([[t]], device=DEVICE),
+                              torch.tensor([t + 1], device=DEVICE), 0.25)
         assert torch.equal(one[:, :, 0], full[:, :, t])
     reference = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
                                                                  v.repeat_interleave(2, 1), is_causal=True, scale=0.25)

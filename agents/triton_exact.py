@@ -1,0 +1,222 @@
+"""Exact mode's matmul and attention as Triton kernels (CUDA; docs/exact.md, "On CUDA"): the same contracts as
+`agents.exact.linear` and `agents.exact.attention`, one launch each instead of a loop of small operations.
+
+Why kernels of our own: cuBLAS picks its algorithm, tile and split-K from the problem's shape, and SDPA / flash
+attention pick their split of the key axis (split-KV for decode) from the batch and the lengths, so a row's bits
+depend on how many rows share its call. Batch invariance needs the opposite: one configuration, fixed in the code,
+whatever the shapes of the call.
+
+* `matmul`: one tile configuration per input dtype (`MATMUL_CONFIGS`), never chosen from M; each program owns one
+  [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating in float32 (no split-K, no
+  autotune). An output element is the dot product of its row of x with a column of W^T, accumulated in the same
+  order by the same instructions wherever the row sits in its tile (the tensor-core MMA computes every element of
+  its tile alike; rows past M are masked zeros that feed no other row), so a row's bits depend on its own values only.
+* `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order with an
+  online softmax in float32. A program holds `QUERY_BLOCK` (query, head) rows of one sequence and one KV head — the
+  heads of a GQA group side by side — and each row's arithmetic is its own: its scores are its row of Q·K^T, its
+  max, sum and rescaling are per-row reductions whose order the fixed layout sets, and its output is its row of P·V.
+  The program runs up to the block of its last query's position; for a row a block past its own position is an exact
+  no-op (its scores are -inf: p = 0, the running max stays, the rescale factor is exp(0) = 1), so which other
+  queries share a program — decode's one query, a prefill after a cached prefix, the trainer's whole sequence — and
+  how many trailing keys the call carries change no bit. Keys past `k_len` are never read (masked loads).
+
+Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU, float32) a loop bound must be a constant: there the loops run
+over the whole key (or K) axis with the same masks — the same arithmetic, by the no-op argument above.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `matmul` by input dtype: fixed, never a function of M
+MATMUL_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
+                  torch.float32: (64, 64, 32, 4, 3)}
+#: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
+KEY_BLOCK = 64
+#: (query, head) rows per attention program
+QUERY_BLOCK = 64
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit(do_not_specialize=["M"])
+def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                   STATIC_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, STATIC_K if INTERPRETED else K, BLOCK_K):  # K in order, from 0: the only reduction order
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn < N)[None, :] & (kk < K)[:, None], other=0.0)
+        if IEEE:  # float32 in: true float32 products (not TF32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for `x` [M, K] and `weight` [N, K] of one dtype (bfloat16, float16 or float32), float32
+    accumulation, in x's dtype: a row's bits do not depend on M or on the row's place among the others.
+    Differentiable (the backward is torch's: gradients are not compared bit for bit)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _Matmul.apply(x, weight)
+    return _matmul(x, weight)
+
+
+class _Matmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return _matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return (grad @ weight if ctx.needs_input_grad[0] else None,
+                grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"exact matmul: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in MATMUL_CONFIGS:
+        raise ValueError(f"exact matmul: x and weight of one dtype of {list(MATMUL_CONFIGS)}, got {x.dtype} and "
+                         f"{weight.dtype}")
+    (M, K), N = x.shape, weight.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    block_m, block_n, block_k, warps, stages = MATMUL_CONFIGS[x.dtype]
+    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    _matmul_kernel[grid](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+                         out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                         IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
+                         num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit(do_not_specialize=["queries", "keys", "stride_ps"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, out_ptr, queries, keys, scale,
+                      stride_qs, stride_qh, stride_qt, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
+                      stride_os, stride_oh, stride_ot, stride_ps,
+                      GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, STATIC_KEYS: tl.constexpr, INTERPRETED: tl.constexpr):
+    tile, s, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query r // GROUP, head r % GROUP of the KV head's group
+    t, head = r // GROUP, kv_head * GROUP + r % GROUP
+    real = t < queries
+    dims = tl.arange(0, BLOCK_D)
+    in_dim = dims < DIM
+    pos = tl.load(pos_ptr + s * stride_ps + t, mask=real, other=-1)
+    length = tl.minimum(tl.load(len_ptr + s), keys)
+    q = tl.load(q_ptr + s * stride_qs + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :],
+                mask=real[:, None] & in_dim[None, :], other=0.0)
+    best = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)  # finite: a block seen by no row changes nothing
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    end = tl.minimum(tl.max(pos) + 1, length)
+    k_base = k_ptr + s * stride_ks + kv_head * stride_kh
+    v_base = v_ptr + s * stride_vs + kv_head * stride_vh
+    for start in range(0, STATIC_KEYS if INTERPRETED else end, BLOCK_N):  # key blocks from position 0, in order
+        key = start + tl.arange(0, BLOCK_N)
+        inside = key < length
+        k = tl.load(k_base + key[:, None] * stride_kt + dims[None, :], mask=inside[:, None] & in_dim[None, :],
+                    other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            scores = tl.dot(q, tl.trans(k)) * scale
+        scores = tl.where((key[None, :] <= pos[:, None]) & inside[None, :], scores, float("-inf"))
+        new_best = tl.maximum(best, tl.max(scores, 1))
+        p = tl.exp(scores - new_best[:, None])
+        alpha = tl.exp(best - new_best)
+        total = total * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + key[:, None] * stride_vt + dims[None, :], mask=inside[:, None] & in_dim[None, :],
+                    other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        best = new_best
+    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+    tl.store(out_ptr + s * stride_os + head[:, None] * stride_oh + t[:, None] * stride_ot + dims[None, :], out,
+             mask=real[:, None] & in_dim[None, :])
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """`agents.exact.attention`'s contract: queries `q` [S, heads, Tq, d] at positions `q_pos` [S, Tq] over keys and
+    values `k`, `v` [S, kv_heads, Tk, d] indexed by position, the first `k_len` [S] valid; float32 [S, heads, Tq, d]
+    (0 for a query that sees no key). `k` and `v` are read in q's dtype (bfloat16, float16 or float32).
+    Differentiable: the backward recomputes the attention with SDPA under the same mask (gradients are not compared
+    bit for bit)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, q_pos, k_len, scale)
+    return _attention(q, k, v, q_pos, k_len, scale)
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_len, scale):
+        ctx.save_for_backward(q, k, v, q_pos, k_len)
+        ctx.scale = scale
+        return _attention(q, k, v, q_pos, k_len, scale)
+
+    @staticmethod
+    def backward(ctx, grad):
+        saved = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:3], ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            out = _reference(*inputs, *saved[3:], ctx.scale)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+def _reference(q, k, v, q_pos, k_len, scale):
+    """The same attention through SDPA (differentiable), float32 out: what the backward differentiates."""
+    keys = torch.arange(k.shape[2], device=q.device)
+    visible = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
+    seen = visible.any(-1)  # a query that sees nothing outputs 0: its mask opens (no NaN) and its output is zeroed
+    visible = visible | ~seen[..., None]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.to(q.dtype).repeat_interleave(group, 1), v.to(q.dtype).repeat_interleave(group, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible[:, None], scale=scale)
+    return out.float() * seen[:, None, :, None]
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
+               scale: float) -> torch.Tensor:
+    S, heads, Tq, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != S or k.shape[3] != d or heads % k.shape[1]:
+        raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] with kv_heads dividing "
+                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in MATMUL_CONFIGS or d < 16:
+        raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 16, got {q.dtype}, {d}")
+    kv_heads, Tk = k.shape[1], k.shape[2]
+    q, k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (q, k, v))
+    q_pos, k_len = q_pos.to(torch.int32).contiguous(), k_len.to(torch.int32).contiguous()
+    out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
+    if S == 0 or Tq == 0 or Tk == 0:
+        return out
+    group = heads // kv_heads
+    grid = (triton.cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
+    _attention_kernel[grid](q, k, v, q_pos, k_len, out, Tq, Tk, scale, *q.stride()[:3], *k.stride()[:3],
+                            *v.stride()[:3], *out.stride()[:3], q_pos.stride(0), GROUP=group, DIM=d,
+                            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK,
+                            IEEE=q.dtype == torch.float32, STATIC_KEYS=Tk if _INTERPRETED else 0,
+                            INTERPRETED=_INTERPRETED, num_warps=4, num_stages=2)
+    return out

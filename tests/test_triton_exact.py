@@ -1,0 +1,146 @@
+"""Exact mode's Triton kernels (`agents.triton_exact`, docs/exact.md): the matmul close to torch's and a row's bits
+independent of how many rows share the call and where the row sits; the attention close to `agents.exact.attention`'s
+torch version and a query's bits independent of which queries share the call (decode's one, a prefill's run after a
+cached prefix, any subset in any order) and of the keys past its sequence's length. Runs on CUDA
+(``MT_ENV_TEST_DEVICE=cuda``, float32 and bfloat16), or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
+float32: the interpreter reads bfloat16 wrongly in `tl.dot`)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents import exact
+
+from .test_policy_hf import DEVICE
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
+if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton kernels need CUDA (MT_ENV_TEST_DEVICE=cuda) or TRITON_INTERPRET=1", allow_module_level=True)
+
+from agents import triton_exact  # noqa: E402  (after the skip: it imports triton)
+
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+EXAMPLES = 30 if DEVICE == "cuda" else 15
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+# --------------------------------------------------------------------------------------------- matmul
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(m=st.integers(1, 150), picks=st.lists(st.integers(0, 149), min_size=1, max_size=20),
+       k=st.sampled_from([16, 37, 100]), n=st.sampled_from([48, 70]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_matmul_rows_do_not_depend_on_the_row_count_or_their_place(m, picks, k, n, dtype, seed):
+    """Any selection of rows, in any order and with repeats, as a call of its own: the same bits as those rows of
+    the full product, and of a product over the first `m` rows; values close to torch's matmul."""
+    x, w = randn(150, k, seed=seed, dtype=dtype), randn(n, k, seed=seed + 1, dtype=dtype)
+    full = triton_exact.matmul(x, w)
+    rows = torch.tensor([p % m for p in picks], device=DEVICE)
+    assert full.dtype == dtype and full.shape == (150, n)
+    assert torch.equal(triton_exact.matmul(x[:m], w), full[:m])
+    assert torch.equal(triton_exact.matmul(x[:m][rows], w), full[rows])
+    expected = x.double() @ w.double().t()
+    torch.testing.assert_close(full.double(), expected, atol=TOLERANCE[dtype] * k ** 0.5, rtol=TOLERANCE[dtype])
+
+
+def test_matmul_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="one dtype"):
+        triton_exact.matmul(randn(4, 16, seed=0), randn(8, 16, seed=1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        triton_exact.matmul(randn(4, 16, seed=0), randn(8, 15, seed=1))
+    assert triton_exact.matmul(randn(0, 16, seed=0), randn(8, 16, seed=1)).shape == (0, 8)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="exact.linear takes the Triton kernel on CUDA only")
+def test_exact_linear_runs_the_kernel_on_cuda():
+    x, w, b = randn(3, 5, 64, seed=0, dtype=torch.bfloat16), randn(40, 64, seed=1, dtype=torch.bfloat16), \
+        randn(40, seed=2, dtype=torch.bfloat16)
+    assert torch.equal(exact.linear(x, w, b), (triton_exact.matmul(x.reshape(15, 64), w) + b).reshape(3, 5, 40))
+
+
+# --------------------------------------------------------------------------------------------- attention
+def attention_case(data, dtype):
+    """Random sequences (lengths up to the key axis), GQA layout, head_dim."""
+    S, kv_heads = data.draw(st.integers(1, 3)), data.draw(st.integers(1, 2))
+    group, d = data.draw(st.sampled_from([1, 2, 3, 7])), data.draw(st.sampled_from([16, 24]))
+    Tk = data.draw(st.integers(1, 150))
+    lengths = torch.tensor([data.draw(st.integers(1, Tk)) for _ in range(S)], device=DEVICE)
+    seed = data.draw(st.integers(0, 2**16))
+    q = randn(S, kv_heads * group, Tk, d, seed=seed, dtype=dtype)
+    k, v = randn(S, kv_heads, Tk, d, seed=seed + 1, dtype=dtype), randn(S, kv_heads, Tk, d, seed=seed + 2, dtype=dtype)
+    return q, k, v, lengths, d ** -0.5
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_attention_is_close_to_the_torch_version(data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    q, k, v, lengths, scale = attention_case(data, dtype)
+    positions = torch.arange(q.shape[2], device=DEVICE).expand(q.shape[0], -1)
+    got = triton_exact.attention(q, k, v, positions, lengths, scale)
+    on_cpu = [t.cpu().float() for t in (q, k, v, positions, lengths)]
+    expected = exact.attention(*on_cpu[:3], *on_cpu[3:], scale)  # the torch version (CPU)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.cpu(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_a_querys_bits_do_not_depend_on_the_other_queries_or_trailing_keys(data):
+    """One query (decode), a run from a cached prefix's end (prefill), or any subset in any order, over keys padded
+    past the full pass's key axis with NaN (never read): each query's bits are those of the full causal pass."""
+    dtype = data.draw(st.sampled_from(DTYPES))
+    q, k, v, lengths, scale = attention_case(data, dtype)
+    S, heads, T, d = q.shape
+    positions = torch.arange(T, device=DEVICE).expand(S, -1)
+    full = triton_exact.attention(q, k, v, positions, lengths, scale)
+    kind = data.draw(st.sampled_from(["decode", "prefill", "any"]))
+    if kind == "decode":
+        chosen = [data.draw(st.integers(0, T - 1))]
+    elif kind == "prefill":
+        start = data.draw(st.integers(0, T - 1))
+        chosen = list(range(start, data.draw(st.integers(start + 1, T))))
+    else:
+        chosen = data.draw(st.lists(st.integers(0, T - 1), min_size=1, max_size=70))
+    extra = data.draw(st.integers(0, 100))
+    nan = torch.full((S, k.shape[1], extra, d), float("nan"), dtype=dtype, device=DEVICE)
+    junk_k, junk_v = torch.cat([k, nan], 2), torch.cat([v, nan], 2)
+    for s in range(S):  # past each sequence's length the keys are junk too
+        junk_k[s, :, int(lengths[s]):], junk_v[s, :, int(lengths[s]):] = float("nan"), float("nan")
+    index = torch.tensor(chosen, device=DEVICE)
+    part = triton_exact.attention(q[:, :, index], junk_k, junk_v, positions[:, index], lengths, scale)
+    assert torch.equal(part, full[:, :, index])
+
+
+def test_a_query_that_sees_no_key_gets_zero_and_bad_shapes_are_refused():
+    q, k = randn(1, 2, 3, 16, seed=0), randn(1, 1, 5, 16, seed=1)
+    out = triton_exact.attention(q, k, k, torch.tensor([[0, 1, 2]], device=DEVICE), torch.tensor([0], device=DEVICE),
+                                 0.25)
+    assert torch.equal(out, torch.zeros_like(out))
+    with pytest.raises(ValueError, match="kv_heads dividing"):
+        triton_exact.attention(randn(1, 3, 3, 16, seed=0), randn(1, 2, 5, 16, seed=1), randn(1, 2, 5, 16, seed=1),
+                               torch.zeros(1, 3, dtype=torch.long, device=DEVICE),
+                               torch.ones(1, dtype=torch.long, device=DEVICE), 0.25)
+
+
+def test_the_kernels_are_differentiable_as_the_torch_versions():
+    """The update's forward runs exact mode with gradients: the kernels' gradients are the torch versions'."""
+    x, w = randn(37, 40, seed=0).requires_grad_(), randn(24, 40, seed=1).requires_grad_()
+    q, k, v = (randn(2, h, 20, 16, seed=2 + h).requires_grad_() for h in (4, 2, 2))
+    positions, lengths = torch.arange(20, device=DEVICE).expand(2, -1), torch.tensor([20, 11], device=DEVICE)
+    g = torch.autograd.grad(triton_exact.matmul(x, w).square().sum(), (x, w))
+    for a, b in zip(g, torch.autograd.grad((x @ w.t()).square().sum(), (x, w))):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    g = torch.autograd.grad(triton_exact.attention(q, k, v, positions, lengths, 0.25).square().sum(), (q, k, v))
+    cpu = [t.detach().cpu().requires_grad_() for t in (q, k, v)]
+    out = exact.attention(*cpu, positions.cpu(), lengths.cpu(), 0.25)  # the torch version (CPU)
+    for a, b in zip(g, torch.autograd.grad(out.square().sum(), cpu)):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
