@@ -3,28 +3,21 @@ one token could depend on what else is in the pass (docs/exact.md). With them, a
 its own sequence's tokens only, bit for bit, whether the engine decodes it over a KV cache, prefills it after a
 cached prefix, or the trainer scores it in a padded or packed micro-batch of any size.
 
-* `linear`: a row's product with the weight in a matmul of ``TILE_ROWS`` rows, always: rows are padded to whole
-  tiles in freshly allocated memory, so every matmul call has the same shape and alignment and a row's reduction
-  order does not depend on how many rows a pass has (a plain matmul picks its blocking, and on a small CPU a split
-  of the reduced dimension over threads, from the row count; tests/test_exact.py checks the tile's invariance).
-* `tree_sum`: sums by pairwise halving with elementwise additions — an order fixed by the reduced length alone
-  (ATen's reductions split the reduced dimension over threads when there are few rows). RMSNorm's mean
-  (`mean_last`), the log-softmax's sum and attention's dot products use it.
-* `silu`: ``x / (1 + exp(-x))`` (ATen's vectorised and scalar sigmoid differ in the last bit: which one an element
-  gets depends on where it falls in the tensor).
+* `linear`: every row computed in a matmul of ``TILE_ROWS`` rows (padded to whole tiles in fresh memory), so a
+  row's reduction order never depends on how many rows a pass has.
+* `tree_sum`: sums by pairwise halving with elementwise additions, an order fixed by the reduced length alone
+  (RMSNorm's mean `mean_last`, the log-softmax's sum, attention's dot products).
+* `silu`: ``x / (1 + exp(-x))`` (ATen's vectorised and scalar sigmoid differ in the last bit).
 * `attention`: one function for decode, prefill and training: the key axis cut into blocks of ``KEY_BLOCK``
-  positions from the sequence's position 0, an online softmax over them in order; a block a query cannot see
-  changes nothing (its terms are exact zeros and ones), so how many trailing blocks a pass carries does not matter.
+  positions from position 0, an online softmax over them in order; a block a query cannot see changes nothing.
 * `tempered_log_softmax`: the logprobs the sampler and the trainer both take.
 
 `ops()` routes a module's ``F.linear``, ``F.silu`` and last-dimension ``mean`` through these while it is active (a
-`TorchFunctionMode`, thread-local): the engine's layer functions and the transformers forward of the trainer then
-run the module's own code — adapters (LoRA) included — with exact operations, with no copy of the model's code.
-The trainer's attention goes through `sequence_attention` (`trainers.modeling` passes the layout).
-
-On CUDA, where Triton imports, `linear` and `attention` run `agents.triton_exact`'s kernels instead (`_kernels`: the one
-switch, by device alone, so the engine and the trainer always take the same path): a fixed tile configuration for the
-matmul and a fixed key split for attention, in one launch each. This module's torch versions remain the CPU path.
+thread-local `TorchFunctionMode`): the engine's layer functions and the trainer's transformers forward run the
+module's own code, adapters (LoRA) included, with exact operations. The trainer's attention goes through
+`sequence_attention` (`trainers.modeling` passes the layout). On CUDA, where Triton imports, `linear` and `attention`
+run `agents.triton_exact`'s kernels (`_kernels`: the one switch, by device alone, so the engine and the trainer
+always take the same path); the torch versions here are the CPU path. Why each choice: docs/exact.md.
 """
 
 from __future__ import annotations
