@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agents.hf_backend import HFBackend  # noqa: E402
 from agents.backend import SamplingParams  # noqa: E402
 from benchmarks import record  # noqa: E402
-from mt_env.batch import TrainBatch  # noqa: E402
+from mt_env.batch import TrainBatch, collate  # noqa: E402
+from mt_env.sample import Sample  # noqa: E402
 from trainers import algos  # noqa: E402
 from trainers.config import Config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm  # noqa: E402
@@ -70,21 +71,8 @@ def engine_run(lm, prompts, args, exact: bool):
 
 
 def batch_of(prompts, turns, device) -> TrainBatch:
-    rows = [(p + t.ids, [0.0] * len(p) + [1.0] * len(t.ids), [0.0] * len(p) + list(t.logprobs))
-            for p, t in zip(prompts, turns)]
-    B, L = len(rows), max(len(r[0]) for r in rows)
-
-    def pad(values, dtype):
-        out = torch.zeros(B, L, dtype=dtype)
-        for b, v in enumerate(values):
-            out[b, :len(v)] = torch.tensor(v, dtype=dtype)
-        return out.to(device)
-
-    mask, zeros = pad([[1] * len(r[0]) for r in rows], torch.long), torch.zeros(B, L, device=device)
-    return TrainBatch(pad([r[0] for r in rows], torch.long), mask, (mask.cumsum(-1) - 1).clamp(min=0),
-                      pad([r[1] for r in rows], torch.float32), zeros, pad([r[2] for r in rows], torch.float32),
-                      zeros.long(), torch.zeros(B, dtype=torch.long, device=device), torch.arange(B, device=device),
-                      torch.zeros(B, device=device))
+    samples = [Sample.single_turn(p, t.ids, t.logprobs, episode=b) for b, (p, t) in enumerate(zip(prompts, turns))]
+    return collate(samples, pad_token_id=0).to(device)
 
 
 def trainer_run(lm, batch, args, exact: bool):

@@ -57,6 +57,17 @@ class Sample:
     def __len__(self) -> int:
         return len(self.ids)
 
+    @classmethod
+    def single_turn(cls, prompt: list[int], sampled: list[int], logprobs: list[float], episode: int = -1) -> Sample:
+        """A one-turn sample without a template: `prompt` ids, then the `sampled` ids with their engine `logprobs`
+        (to score a backend's raw generations as the trainer would; segment texts are empty, there is no tokenizer)."""
+        if len(logprobs) != len(sampled):
+            raise ValueError(f"{len(sampled)} sampled ids but {len(logprobs)} logprobs")
+        sample = cls(prompt_len=len(prompt), group=0, episode=episode)
+        sample._extend(Seg.PROMPT, -1, list(prompt), "")
+        sample._extend(Seg.SAMPLED, 0, list(sampled), "", list(logprobs))
+        return sample
+
     def kinds(self) -> list[int]:
         out: list[int] = []
         for s in self.segments:

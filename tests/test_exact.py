@@ -21,7 +21,8 @@ from agents.engine import EngineConfig
 from agents.engine.sampler import sample_tokens
 from agents.hf_backend import HFBackend
 from agents.backend import SamplingParams
-from mt_env.batch import TrainBatch
+from mt_env.batch import TrainBatch, collate
+from mt_env.sample import Sample
 from trainers import algos
 from trainers.config import Config, ConfigError, validate
 from trainers.modeling import PolicyModel, _exact_kwargs
@@ -67,23 +68,8 @@ def generate(model, prompts, params, **options):
 
 def batch_of(prompts, turns) -> TrainBatch:
     """The rollouts as the trainer collates them: right-padded rows, loss mask on the sampled tokens."""
-    rows = [(p + t.ids, [0.0] * len(p) + [1.0] * len(t.ids), [0.0] * len(p) + list(t.logprobs))
-            for p, t in zip(prompts, turns)]
-    B, L = len(rows), max(len(r[0]) for r in rows)
-
-    def pad(values, dtype):
-        out = torch.zeros(B, L, dtype=dtype)
-        for b, v in enumerate(values):
-            out[b, :len(v)] = torch.tensor(v, dtype=dtype)
-        return out.to(DEVICE)
-
-    mask = pad([[1] * len(r[0]) for r in rows], torch.long)
-    zeros = torch.zeros(B, L, device=DEVICE)
-    return TrainBatch(input_ids=pad([r[0] for r in rows], torch.long), attention_mask=mask,
-                      position_ids=(mask.cumsum(-1) - 1).clamp(min=0), loss_mask=pad([r[1] for r in rows], torch.float32),
-                      rewards=zeros, rollout_logprobs=pad([r[2] for r in rows], torch.float32),
-                      turn_ids=zeros.long(), group=torch.zeros(B, dtype=torch.long, device=DEVICE),
-                      episode=torch.arange(B, device=DEVICE), episode_rewards=torch.zeros(B, device=DEVICE))
+    samples = [Sample.single_turn(p, t.ids, t.logprobs, episode=b) for b, (p, t) in enumerate(zip(prompts, turns))]
+    return collate(samples, pad_token_id=0).to(DEVICE)
 
 
 def trainer_logprobs(policy: PolicyModel, batch: TrainBatch, packed: bool, micro: int, temperature: float = 1.0):
@@ -265,3 +251,11 @@ def test_settings_that_cannot_be_exact_are_refused(model):
     eager.config._attn_implementation = "eager"
     with pytest.raises(ValueError, match="attention implementation"):
         PolicyModel(eager, exact=True)
+
+
+def test_a_single_turn_sample_trains_exactly_its_sampled_tokens():
+    sample = Sample.single_turn([5, 6, 7], [8, 9], [-0.5, -0.25], episode=3)
+    assert sample.ids == [5, 6, 7, 8, 9] and sample.loss_mask() == [0, 0, 0, 1, 1] and sample.episode == 3
+    assert sample.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25] and sample.prompt_len == 3
+    with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
+        Sample.single_turn([5], [8, 9], [-0.5])
