@@ -26,6 +26,35 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _attend_block(q, best, total, acc, positions, inside, visible, table_row_ptr, k_ptr, v_ptr, kv_head,
+                  stride_kt, stride_kh, stride_vt, stride_vh, scale,
+                  DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, IEEE: tl.constexpr):
+    """One block of key `positions` (those `inside` read from the paged cache through the row's block table) folded
+    into the online softmax state (`best`, `total`, `acc`) of queries `q`, each seeing the keys `visible` marks."""
+    dims = tl.arange(0, DIM)
+    block = tl.load(table_row_ptr + positions // BLOCK_SIZE, mask=inside, other=0)
+    flat = block.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
+    k = tl.load(k_ptr + flat[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=inside[:, None],
+                other=0.0)
+    if IEEE:
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(visible, scores * scale, float("-inf"))
+    new_best = tl.maximum(best, tl.max(scores, 1))
+    shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a tile with nothing visible: no NaN
+    weights = tl.exp(scores - shift[:, None])
+    rescale = tl.exp(best - shift)
+    v = tl.load(v_ptr + flat[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=inside[:, None],
+                other=0.0)
+    if IEEE:
+        update = tl.dot(weights, v.to(tl.float32), input_precision="ieee")
+    else:
+        update = tl.dot(weights.to(v.dtype), v)
+    return new_best, total * rescale + tl.sum(weights, 1), acc * rescale[:, None] + update
+
+
+@triton.jit
 def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, lse_ptr,
                   stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_tb,
                   stride_ob, stride_oh, stride_os, stride_lb, stride_lh, scale,
@@ -48,28 +77,9 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, out_ptr, lse_ptr,
     for first in range(0 if BOUNDED else start, SPLIT if BOUNDED else end, BLOCK):
         positions = (start if BOUNDED else 0) + first + tl.arange(0, BLOCK)
         inside = positions < end
-        block = tl.load(table_ptr + row * stride_tb + positions // BLOCK_SIZE, mask=inside, other=0)
-        flat = block.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE
-        k = tl.load(k_ptr + flat[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=inside[:, None],
-                    other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(inside[None, :], scores * scale, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)  # a tile with nothing inside: no NaN
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(best - shift)
-        v = tl.load(v_ptr + flat[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=inside[:, None],
-                    other=0.0)
-        if IEEE:
-            update = tl.dot(weights, v.to(tl.float32), input_precision="ieee")
-        else:
-            update = tl.dot(weights.to(v.dtype), v)
-        acc = acc * rescale[:, None] + update
-        total = total * rescale + tl.sum(weights, 1)
-        best = new_best
+        best, total, acc = _attend_block(q, best, total, acc, positions, inside, inside[None, :],
+                                         table_ptr + row * stride_tb, k_ptr, v_ptr, kv_head, stride_kt, stride_kh,
+                                         stride_vt, stride_vh, scale, DIM, BLOCK_SIZE, IEEE)
     empty = total == 0.0  # a split past the row's length
     out = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, total)[:, None])
     lse = tl.where(empty, float("-inf"), best + tl.log(tl.where(empty, 1.0, total)))
@@ -103,29 +113,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, table_ptr, starts_ptr, counts_ptr, out_
     for first in range(0, MAX_READ if BOUNDED else end, BLOCK):
         keys_at = first + tl.arange(0, BLOCK)
         inside = keys_at < end
-        block = tl.load(table_ptr + row * stride_tb + keys_at // BLOCK_SIZE, mask=inside, other=0)
-        flat = block.to(tl.int64) * BLOCK_SIZE + keys_at % BLOCK_SIZE
-        k = tl.load(k_ptr + flat[:, None] * stride_kt + kv_head * stride_kh + dims[None, :], mask=inside[:, None],
-                    other=0.0)
-        if IEEE:
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
         visible = inside[None, :] & (keys_at[None, :] <= position[:, None])
-        scores = tl.where(visible, scores * scale, float("-inf"))
-        new_best = tl.maximum(best, tl.max(scores, 1))
-        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
-        weights = tl.exp(scores - shift[:, None])
-        rescale = tl.exp(best - shift)
-        v = tl.load(v_ptr + flat[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=inside[:, None],
-                    other=0.0)
-        if IEEE:
-            update = tl.dot(weights, v.to(tl.float32), input_precision="ieee")
-        else:
-            update = tl.dot(weights.to(v.dtype), v)
-        acc = acc * rescale[:, None] + update
-        total = total * rescale + tl.sum(weights, 1)
-        best = new_best
+        best, total, acc = _attend_block(q, best, total, acc, keys_at, inside, visible, table_ptr + row * stride_tb,
+                                         k_ptr, v_ptr, kv_head, stride_kt, stride_kh, stride_vt, stride_vh, scale,
+                                         DIM, BLOCK_SIZE, IEEE)
     out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
     tl.store(out_ptr + row * stride_ob + query[:, None] * stride_ow + head[:, None] * stride_oh + dims[None, :],
              out, mask=real[:, None])
