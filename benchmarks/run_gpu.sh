@@ -79,9 +79,11 @@ case "${1:-}" in
       tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   exact)  # exact mode (issue 28): the CUDA tests, then engine and trainer-pass throughput with it off and on
-    MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py -q \
+    MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py \
+      tests/test_triton_attention.py -q \
       -p no:cacheprovider 2>&1 | tail -6; echo "exact tests rc=${PIPESTATUS[0]}"
-    timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b 2>&1 | tail -4
+    timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b --batch 32 --prompt 128 \
+      --new-tokens 32 --repeats 1 2>&1 | tail -4
     echo "bench_exact rc=${PIPESTATUS[0]}" ;;
   lora7b)  # the 7B shape's LoRA recipe, 4 RL steps phase by phase -> h200/rl_step_7b_lora
     timeout 500 python3 benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 --warmup 1 \
