@@ -5,8 +5,7 @@
 #   bash benchmarks/run_gpu.sh rollout1  # 1 GPU: rollout at 64 / 256 / 512 episodes, env work in 8 processes, 5 runs
 #                                        #   -> h200/rollout
 #   bash benchmarks/run_gpu.sh step1     # 1 GPU: an RL step of the GSM8K smoke recipe, phase by phase -> h200/rl_step
-#   bash benchmarks/run_gpu.sh update    # 1 GPU: the update vs raw fwd+bwd+AdamW, then the fast path's check
-#                                        #   -> h200/update, h200/gpu_engine_check
+#   bash benchmarks/run_gpu.sh update    # 1 GPU: the update vs raw fwd+bwd+AdamW -> h200/update
 #   bash benchmarks/run_gpu.sh tests     # 1 GPU: the CUDA tests (engine, Triton attention, HF backend, trainer math)
 #                                        #   -> h200/cuda_tests.txt
 #   bash benchmarks/run_gpu.sh exact     # 1 GPU: exact mode's tests on CUDA (Triton kernels, engine = trainer bit for
@@ -16,6 +15,7 @@
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
+#   bash benchmarks/run_gpu.sh engine_check  # 1 GPU: greedy tokens of the engine against the transformers path
 #   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
 #                                        # generate), with its env work in 4, then 8 processes (FIRST_STEP=10: steps
 #                                        # 10-14, as ab256's first round)
@@ -23,8 +23,6 @@
 #                                        # tar -x -C DIR; echo <c> > DIR/COMMIT`, with this checkout's bench_rollout.py
 #                                        # and record.py copied in) and this checkout's, in turn, 2 rounds; round r
 #                                        # plays steps 10r..10r+4 on both sides (the same token work, paired run by run)
-#   python3 benchmarks/profile_rollout.py --batch 256 --timeline --env-processes 4   # where the driver loses time
-#   python3 benchmarks/bench_prefill.py --profile      # prefill passes by shape: first time vs repeated
 # With $OUT set (the device's output folder) the records go to $OUT/results/<machine>/ (copy them over
 # benchmarks/results/) and the experiments to $OUT/experiments; without it, into benchmarks/results/ directly and
 # /tmp/mt_env_experiments. Without git metadata (a copy of the tree), set MT_ENV_COMMIT=<sha>[-dirty]. GSM8K is read
@@ -70,8 +68,9 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/bench_rl_step.py 2>&1 | tail -9; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
   update)
     timeout 200 python3 benchmarks/bench_update.py --device cuda 2>&1 | tail -9
-    echo "bench_update rc=${PIPESTATUS[0]}"
-    timeout 300 python3 benchmarks/gpu_engine_check.py --quick 2>&1 | tail -20
+    echo "bench_update rc=${PIPESTATUS[0]}" ;;
+  engine_check)  # an experiment: the engine's greedy tokens against the transformers path (docs/engine.md's table)
+    timeout 500 python3 benchmarks/gpu_engine_check.py --quick --out "$EXP/gpu_engine_check.json" 2>&1 | tail -20
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
   tests)
     timeout 500 python3 benchmarks/record.py cuda_tests --device cuda -- env MT_ENV_TEST_DEVICE=cuda python3 -m \
@@ -109,5 +108,5 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|scaling|fsdp|driver256|ab256" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|scaling|fsdp|engine_check|driver256|ab256" >&2; exit 2 ;;
 esac
