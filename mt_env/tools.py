@@ -29,7 +29,6 @@ import contextlib
 import logging
 import math
 import time
-import types
 import uuid
 import weakref
 from collections import Counter
@@ -38,8 +37,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .checks import is_int, is_real
+from .deadline import ToolTimeout, resume, with_timeout
 from .errors import ToolConfigError, ToolError, TransientToolError
-from .isolation import ProcessInstance, check_isolatable, created_id, use_daemon_threads, watch_step
+from .isolation import ProcessInstance, check_isolatable, created_id, use_daemon_threads
 from .parsers import TOOL_CALL_JSON, ParseError, ToolCall
 from .tool_schema import argument_error, arguments_validator, check_tool_schema, shorten
 
@@ -54,7 +54,6 @@ ERROR_KINDS = ("unknown_tool", "invalid_arguments", "exception", "timeout", "bad
 #: The keys of one tool's entry in ``tools_kwargs`` (verl's names), one per lifecycle method.
 KWARGS_KEYS = ("create_kwargs", "execute_kwargs", "calc_reward_kwargs", "release_kwargs")
 # How long a timed-out call may take to react to cancellation before it is abandoned (it may ignore it).
-_CANCEL_GRACE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -298,7 +297,7 @@ class ToolBox:
             name, error = failures[0]
             if isinstance(error, asyncio.CancelledError):
                 raise error
-            why = f"timed out after {self.tools[name].settings.timeout}s" if isinstance(error, _Timeout) else (
+            why = f"timed out after {self.tools[name].settings.timeout}s" if isinstance(error, ToolTimeout) else (
                 f"{type(error).__name__}: {' '.join(str(error).split()) or '(no message)'}")  # on one line
             raise ToolError(f"tool {name!r} could not create its instance for this episode: {why}") from error
 
@@ -329,7 +328,7 @@ class ToolBox:
         async def release(name: str, instance_id: str) -> None:
             tool = self.tools[name]
             try:
-                await _with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release")),
+                await with_timeout(self._runners[name].release(instance_id, **self._kwargs(name, "release")),
                                     tool.settings.timeout, (name, "release"))
             except Exception as e:
                 self.counts["release_errors"] += 1
@@ -343,7 +342,7 @@ class ToolBox:
                 first = coro.send(None)
             except StopIteration:
                 return
-            await asyncio.shield(asyncio.ensure_future(_resume(coro, first)))
+            await asyncio.shield(asyncio.ensure_future(resume(coro, first)))
         elif pending:
             await asyncio.shield(asyncio.gather(*(release(n, i) for n, i in pending.items())))
 
@@ -353,8 +352,8 @@ class ToolBox:
         runner, timeout, kwargs = self._runners[name], self.tools[name].settings.timeout, self._kwargs(name, method)
         if isinstance(runner, ProcessInstance):
             async with runner.turn():
-                return await _with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
-        return await _with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
+                return await with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
+        return await with_timeout(getattr(runner, method)(instance_id, **kwargs), timeout, (name, method))
 
     def _kwargs(self, name: str, method: str) -> dict:
         """The tool `name`'s kwargs for its lifecycle `method` (``create``, ``execute``, ...) in this episode."""
@@ -444,7 +443,7 @@ class ToolBox:
             try:
                 output = await self._attempt(tool, name, arguments)
                 break
-            except _Timeout:
+            except ToolTimeout:
                 return self._failure(name, call_id, "timeout", f"tool {name!r} timed out after {settings.timeout}s",
                                      tool, attempts)
             except Exception as e:
@@ -461,14 +460,14 @@ class ToolBox:
         if isinstance(self._runners[name], ProcessInstance) or slot.locked():
             return self._attempt_in_slot(tool, name, arguments, slot)
         # A slot is free: a call that finishes without suspending never needs it (nothing else runs meanwhile);
-        # one that suspends takes it then, before it goes on (`_with_timeout`).
-        return _with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"), slot)
+        # one that suspends takes it then, before it goes on (`with_timeout`).
+        return with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"), slot)
 
     async def _attempt_in_slot(self, tool: BaseTool, name: str, arguments: dict, slot: asyncio.Semaphore) -> Any:
         """`_attempt` once it has the slot (and, for an isolated tool, its worker's turn)."""
         async with slot:
             async with self._turn(name):
-                return await _with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"))
+                return await with_timeout(self._execution(name, arguments), tool.settings.timeout, (name, "execute"))
 
     def _execution(self, name: str, arguments: dict) -> Awaitable:
         return self._runners[name].execute(self.instances[name], arguments, **self._kwargs(name, "execute"))
@@ -507,94 +506,6 @@ async def _gather(coros: list, return_exceptions: bool = False) -> list:
 
 
 _NO_TURN = contextlib.nullcontext()
-
-
-class _Timeout(Exception):
-    """Raised by `_with_timeout` only (a tool's own TimeoutError is an ordinary exception)."""
-
-
-async def _with_timeout(awaitable: Any, timeout: float, step: tuple[str, str],
-                        slot: asyncio.Semaphore | None = None) -> Any:
-    """Await `awaitable` for at most `timeout` seconds, then cancel it and raise `_Timeout`. Unlike
-    `asyncio.wait_for`, a call that ignores its cancellation is abandoned after a short grace instead of awaited.
-
-    Most tools finish without ever suspending (pure computation); those run inline here, with no task and no
-    timer — the event-loop overhead would otherwise dominate an env step. A tool that suspends continues as a task
-    under the timeout, holding `slot` (when given) until it ends. Each synchronous step of the coroutine is shown to
-    the blocking watchdog as `step`, the (tool, method) it belongs to."""
-    if type(awaitable) is types.CoroutineType:
-        watch = watch_step(*step)  # its first synchronous step (`_advance`, inline: most tools take only this one)
-        try:
-            first = awaitable.send(None)
-        except StopIteration as done:
-            return done.value
-        finally:
-            watch.exit()
-        awaitable = _resume(awaitable, first, step)
-    if slot is not None:
-        try:
-            await slot.acquire()  # the tool waits where it suspended: its own await resumes once it has a slot
-        except BaseException:
-            awaitable.close()
-            raise
-    try:
-        return await _timed(asyncio.ensure_future(awaitable), timeout)
-    finally:
-        if slot is not None:
-            slot.release()
-
-
-async def _timed(task: asyncio.Future, timeout: float) -> Any:
-    """`task`'s result within `timeout` seconds; else it is cancelled, given a short grace, and `_Timeout` raised."""
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if done:
-        return task.result()
-    task.cancel()
-    await asyncio.wait({task}, timeout=_CANCEL_GRACE_S)
-    task.add_done_callback(_discard_outcome)
-    raise _Timeout
-
-
-@types.coroutine
-def _resume(coro, yielded, step: tuple[str, str] | None = None):
-    """Drive a coroutine that was started by hand and suspended on `yielded` (what `yield from` would do, from
-    the middle): values and exceptions from the event loop go in, its awaits come out."""
-    while True:
-        try:
-            sent = yield yielded
-        except GeneratorExit:
-            coro.close()
-            raise
-        except BaseException as e:  # cancellation and other throws go to the tool
-            try:
-                yielded = _advance(coro.throw, e, step)
-            except StopIteration as done:
-                return done.value
-        else:
-            try:
-                yielded = _advance(coro.send, sent, step)
-            except StopIteration as done:
-                return done.value
-
-
-def _advance(advance, value: Any, step: tuple[str, str] | None) -> Any:
-    """``advance(value)`` (a coroutine's send or throw), watched as one step of `step` when it is a tool's."""
-    if step is None:
-        return advance(value)
-    watch = watch_step(*step)
-    try:
-        return advance(value)
-    finally:
-        watch.exit()
-
-
-def _discard_outcome(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieve it so that asyncio does not log "exception was never retrieved"
 
 
 def _unpack_call(call: Any) -> tuple[str, dict, str | None]:
