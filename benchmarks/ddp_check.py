@@ -73,7 +73,7 @@ def worker(args) -> None:
     models = Models(policy, optimizer, scheduler=None)
     batch, _ = score(batch, models, cfg)  # the model's own logprobs, moved, as the old ones: some ratios are clipped
     batch = batch.replace(old_logprobs=batch.old_logprobs + shift, ref_logprobs=batch.old_logprobs - shift)
-    metrics = reduce_metrics(accelerator, update(batch, models, accelerator, cfg, step=1))
+    metrics = reduce_metrics(accelerator, update(batch, models, accelerator, cfg, step=1)[0])
     if accelerator.is_main_process:
         after = dict(accelerator.unwrap_model(policy).lm.named_parameters())
         change = {k: after[k].detach().cpu() - before[k] for k in before}

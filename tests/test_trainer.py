@@ -165,7 +165,7 @@ def _update_once(minibatch_size: int, take_old_from_update: bool):
     single = single_update(batch, accelerator, cfg)
     batch, seconds = score(batch.replace(old_logprobs=None, ref_logprobs=None), models, cfg,
                            old=not take_old_from_update)
-    metrics = update(batch, models, accelerator, cfg, step=1)
+    metrics, _ = update(batch, models, accelerator, cfg, step=1)
     return [p.detach().clone() for p in policy.parameters()], {**metrics, **seconds}, single
 
 

@@ -124,7 +124,7 @@ def test_the_new_update_path_equals_todays(layer_compiler):
             "trainer.minibatch_size=8", "trainer.micro_batch_size=3", "trainer.packed=true",
             f"trainer.micro_batch_tokens={60 if new else 'null'}", "algorithm.kl_mode=loss", "algorithm.kl_coef=0.1",
             "algorithm.entropy_coef=0.01", "rollout.temperature=0.9"])
-        stats = update(batch, Models(policy, optimizer, scheduler=None), accelerator, cfg, step=1)
+        stats, _ = update(batch, Models(policy, optimizer, scheduler=None), accelerator, cfg, step=1)
         outcomes.append((stats, [p.detach().clone() for p in lm.parameters()]))
     (stats, weights), (stats_new, weights_new) = outcomes
     for key in ("actor/loss", "actor/entropy", "actor/kl_ref", "actor/grad_norm"):

@@ -3,6 +3,7 @@ episodes' turns and tool calls are all there, files are written atomically, a re
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -73,6 +74,22 @@ def test_records_are_the_rows_the_loss_used(run):
                 assert np.array_equal(diff, (t["old_logprobs"] - t["rollout_logprobs"]) * t["loss_mask"])
                 assert np.abs(diff).max() < 1e-3  # the engine and the trainer agree (as the metrics say)
             assert [t["policy_version"] for t in r["turns"]] == [step - 1] * len(r["turns"])
+
+
+def test_a_single_update_records_the_old_logprobs_it_measured_the_mismatch_on(tmp_path):
+    """One mini-batch a step: the update's own logprobs are the old ones; they are recorded, and the step's
+    mismatch metric is the largest recorded difference (every episode recorded)."""
+    ppo.main(["--set", f"output_dir={tmp_path}", "--set", "trainer.total_steps=1", "--set", "sft.steps=0",
+              "--set", "logging.record_episodes=8", *[a for o in TINY for a in ("--set", o)]])
+    records = load_trajectories(tmp_path, step=1)
+    samples = [sample for r in records for sample in r["samples"]]
+    assert len(records) == 8 and samples
+    trained = [s["tokens"]["old_logprobs"][s["tokens"]["loss_mask"] > 0] for s in samples]
+    assert all(len(lp) == 0 or (lp < 0).all() for lp in trained) and sum(map(len, trained)) > 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step = next(m for m in metrics if m.get("step") == 1 and "mismatch/logprob_abs_max" in m)
+    largest = max(float(np.abs(mismatch(s)).max()) for s in samples)
+    assert largest == pytest.approx(step["mismatch/logprob_abs_max"], rel=1e-5, abs=1e-7)
 
 
 def test_turns_point_at_their_sampled_tokens(run):

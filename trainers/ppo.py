@@ -124,10 +124,11 @@ def main(argv=None) -> dict:
 
             # 3. REWARDS and 4. ADVANTAGES
             batch, advantage_stats = estimate_advantages(batch, cfg)
-            metrics.update(advantage_stats, **run.recorder.record_step(step, tasks, result, batch))  # trajectories/
+            metrics.update(advantage_stats)
             finite = all(bool(torch.isfinite(x[batch.loss_mask > 0]).all())
                          for x in (batch.old_logprobs, batch.advantages) if x is not None)
             if across_processes(acc, float(finite), "min") == 0:  # all skip together: the update's collectives
+                run.recorder.record_step(step, tasks, result, batch)  # trajectories/: a step worth looking at
                 run.tracker.message(f"step {step}: skipping the update: non-finite logprobs or advantages")
                 run.state.step = step
                 run.empty_steps.add_non_finite(step, "non-finite logprobs or advantages", t.lr)
@@ -135,9 +136,13 @@ def main(argv=None) -> dict:
 
             # 5. UPDATE: epochs x mini-batches x micro-batches, masked and clipped; then the backend's weights
             update_start = time.perf_counter()
-            metrics.update(update(batch, run.models, acc, cfg, step))
+            update_metrics, old_logprobs = update(batch, run.models, acc, cfg, step)
+            metrics.update(update_metrics)
             run.models.scheduler.step()
             update_s = time.perf_counter() - update_start
+            if old_logprobs is not None:  # a single update: its own logprobs were the old ones
+                batch = batch.replace(old_logprobs=old_logprobs)
+            metrics.update(run.recorder.record_step(step, tasks, result, batch))  # trajectories/
             sync = run.rollouts.after_update()
 
             # 6. LOG, EVALUATE, CHECKPOINT
@@ -381,11 +386,13 @@ def single_update(batch: TrainBatch, accelerator: Accelerator, cfg: Config) -> b
     return cfg.trainer.epochs == 1 and not kl_in_reward and minibatch_count(len(batch), accelerator, cfg) == 1
 
 
-def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Config, step: int) -> dict:
+def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Config,
+           step: int) -> tuple[dict, torch.Tensor | None]:
     """The masked, clipped PPO update: `epochs` passes of shuffled mini-batches, one optimizer step each, its
     gradient accumulated over micro-batches. Without `batch.old_logprobs` (`single_update`) the update's own
-    logprobs are the old ones; the rollout/trainer mismatch is then measured on them. The statistics stay on the
-    device until the end (one read: they add no host sync per micro-batch)."""
+    logprobs are the old ones: the rollout/trainer mismatch is then measured on them and they are returned beside
+    the metrics (else None). The statistics stay on the device until the end (one read: no host sync per
+    micro-batch)."""
     stats: dict[str, list] = {}
     seen = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) if batch.old_logprobs is None else None
     token_sums, tokens = {}, 0.0  # per-token statistics, weighted by the micro-batch's trained tokens
@@ -427,7 +434,7 @@ def update(batch: TrainBatch, models: Models, accelerator: Accelerator, cfg: Con
     out["actor/mini_batches"] = float(optimizer_steps)
     exact = cfg.rollout.exact_logprobs
     mismatch = algos.logprob_mismatch(batch.replace(old_logprobs=seen), exact) if seen is not None else {}
-    return {**out, **token_means(accelerator, token_sums, tokens), **mismatch}
+    return {**out, **token_means(accelerator, token_sums, tokens), **mismatch}, seen
 
 
 def ppo_loss(mb: TrainBatch, models: Models, cfg: Config, norms: dict, weight: float = 1.0):

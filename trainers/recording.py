@@ -2,11 +2,12 @@
 records, read from the objects the loss used.
 
 Every ``logging.record_every`` steps the trainer hands `Recorder.record_step` the step's rollout and its `TrainBatch`
-once the old logprobs and advantages are in it: the per-token arrays of a record are that batch's rows (ids, loss
-mask, rollout and old logprobs, advantages, token rewards, and the reference logprobs, values and returns when the
-run has them), never recomputed; the segments and token texts are the rows' `Sample`s'. Up to
-``logging.record_episodes`` episodes are kept per step, whole GRPO groups first, and as many of every evaluation
-(`Recorder.record_eval`: the samples as played, without trainer values). The main process records its own episodes.
+once the old logprobs and advantages are in it (after the update when the update's own logprobs were the old ones):
+the per-token arrays of a record are that batch's rows (ids, loss mask, rollout and old logprobs, advantages, token
+rewards, and the reference logprobs, values and returns when the run has them), never recomputed; the segments and
+token texts are the rows' `Sample`s'. Up to ``logging.record_episodes`` episodes are kept per step, whole GRPO groups
+first, and as many of every evaluation (`Recorder.record_eval`: the samples as played, without trainer values). The
+main process records its own episodes.
 """
 
 from __future__ import annotations
