@@ -22,6 +22,8 @@ always take the same path); the torch versions here are the CPU path. Why each c
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -36,19 +38,16 @@ KEY_BLOCK = 32
 
 def _kernels(t: torch.Tensor):
     """`agents.triton_exact` when `t` is on CUDA and Triton imports, else None (the torch versions below)."""
-    global _TRITON
-    if t.device.type != "cuda":
+    return _triton_exact() if t.device.type == "cuda" else None
+
+
+@functools.cache
+def _triton_exact():
+    try:
+        from . import triton_exact
+    except ImportError:  # a torch build without Triton: the torch versions, slower but exact
         return None
-    if _TRITON is None:
-        try:
-            from . import triton_exact
-        except ImportError:  # a torch build without Triton: the torch versions, slower but exact
-            triton_exact = False
-        _TRITON = triton_exact
-    return _TRITON or None
-
-
-_TRITON = None  #: agents.triton_exact once imported, False when Triton is absent
+    return triton_exact
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -211,6 +210,4 @@ def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
 def ops(on: bool = True):
     """A context in which the module's linears, SiLU and RMSNorm's mean run as exact operations (a no-op context
     when not `on`)."""
-    import contextlib
-
     return _ExactOps() if on else contextlib.nullcontext()

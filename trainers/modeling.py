@@ -190,15 +190,14 @@ def _layer_forward_compiled(layer: nn.Module, *args, **kwargs):
     return compiled(_layer_forward)(layer, *args, **kwargs)
 
 
-def _exact_attention(lm: nn.Module) -> bool:
+def _use_exact_attention(lm: nn.Module) -> None:
     """Make `lm` attend through `SDPA_VARLEN` (which runs exact mode's attention when a forward passes the layout),
-    or ValueError for another attention implementation. True."""
+    or ValueError for another attention implementation."""
     impl = getattr(lm.config, "_attn_implementation", None)
     if impl == "sdpa":
         lm.config._attn_implementation = _registered("sdpa")  # identical to sdpa outside exact mode
     elif impl != SDPA_VARLEN:
         raise ValueError(f"exact logprobs need the model's attention implementation 'sdpa', it has {impl!r}")
-    return True
 
 
 def _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids) -> dict:
@@ -239,8 +238,9 @@ class PolicyModel(nn.Module):
                  exact: bool = False):
         super().__init__()
         self.lm = lm
-        #: exact mode (`agents.exact`): logprobs bit for bit the engine's in exact mode (`_exact_attention` checks)
-        self.exact = _exact_attention(lm) if exact else False
+        if exact:
+            _use_exact_attention(lm)
+        self.exact = exact  #: exact mode (`agents.exact`): logprobs bit for bit the engine's in exact mode
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
         #: trained tokens per LM-head chunk (`agents.logprobs.token_logprobs`; None: all at once)
         self.logprob_chunk_tokens = logprob_chunk_tokens

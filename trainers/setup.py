@@ -234,9 +234,8 @@ def make_backend(cfg: Config, lm: torch.nn.Module, tokenizer, weights_changed: b
     if r.backend == "hf":
         from agents.hf_backend import HFBackend
 
-        exact = {"exact": True} if r.exact_logprobs else {}  # the paged engine, in exact mode
         return HFBackend(lm, max_batch_size=r.max_batch_size, seed=cfg.seed, pad_token_id=tokenizer.pad_token_id,
-                         vocab_limit=len(tokenizer), **exact)
+                         vocab_limit=len(tokenizer), exact=r.exact_logprobs)
     if r.backend == "sglang_engine":
         from agents.sglang_backend import SGLangEngineBackend
 
