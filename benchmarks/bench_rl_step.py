@@ -50,7 +50,7 @@ from trainers.modeling import build_causal_lm  # noqa: E402
 from trainers.setup import make_models, make_tokenizer  # noqa: E402
 
 from bench_update import PEAK_TFLOPS  # noqa: E402
-from trainers.tracking import read_metrics  # noqa: E402
+from mt_env.trajectories import read_metrics  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
 GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8

@@ -37,7 +37,8 @@ from envs.gsm8k.data import DATA_ENV_VAR  # noqa: E402
 from mt_env.errors import MtEnvError  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.setup import TaskSource, env_factory, make_tokenizer  # noqa: E402
-from trainers.stopping import debug_flag, entry_point  # noqa: E402
+from mt_env.errors import debug_flag  # noqa: E402
+from trainers.stopping import entry_point  # noqa: E402
 
 #: GSM8K as the other projects of this workplace keep it (a checkout's sibling folder), used when it is there
 SHARED_GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

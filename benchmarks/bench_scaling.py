@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import record  # noqa: E402
 from trainers.checkpoints import scan  # noqa: E402
-from trainers.tracking import read_metrics  # noqa: E402
+from mt_env.trajectories import read_metrics  # noqa: E402
 
 SMOKE = "gsm8k_smoke_random_0.5b.yaml"
 #: NCCL on machines whose NVLink multicast must stay off

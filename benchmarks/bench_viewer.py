@@ -49,7 +49,7 @@ def quickstart(out: Path, steps: int, extra: list[str]) -> tuple[list[dict], flo
     evaluations."""
     from trainers import ppo
     from trainers.recording import Recorder
-    from trainers.tracking import read_metrics
+    from mt_env.trajectories import read_metrics
 
     spent = [0.0]
     record_eval = Recorder.record_eval

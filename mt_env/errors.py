@@ -1,6 +1,10 @@
-"""Every exception mt_env raises on purpose, in one place. All derive from `MtEnvError`."""
+"""Every exception mt_env raises on purpose, in one place. All derive from `MtEnvError`. And how a command shows
+them: `report` prints ``error: <message>`` (the traceback too with ``--debug`` or ``MT_ENV_DEBUG=1``)."""
 
+import os
 import pickle
+import sys
+import traceback
 
 
 class MtEnvError(Exception):
@@ -52,3 +56,21 @@ def portable(error: BaseException, fallback: type[Exception] = RuntimeError) -> 
         return error
     except Exception:
         return fallback(f"{type(error).__name__}: {error}")
+
+
+DEBUG_VARIABLE = "MT_ENV_DEBUG"  #: set to 1: `report` shows the traceback of the project's errors too
+
+
+def debug_flag(parser) -> None:
+    """Add ``--debug`` to a command's argparse `parser` (`report` reads it)."""
+    parser.add_argument("--debug", action="store_true",
+                        help=f"show the traceback of an error, not just its one line (or set {DEBUG_VARIABLE}=1)")
+
+
+def report(error: BaseException, argv: list[str] | None = None) -> None:
+    """Print the project's `error` (being handled) as a command shows it: ``error: <message>`` on stderr, after its
+    traceback when `argv` (default: the process's) holds ``--debug`` or `DEBUG_VARIABLE` is set."""
+    debug = "--debug" in (sys.argv[1:] if argv is None else argv)
+    if debug or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
+        traceback.print_exc()
+    print(f"error: {error}", file=sys.stderr)

@@ -8,7 +8,7 @@ A run directory holds them under ``trajectories/``, one gzip-compressed JSON Lin
 
 Each file is written whole to a temporary name and renamed (`write_records`), so a run killed at any moment leaves
 every file either complete or absent — the directory only grows, one readable file per step. `load_trajectories`
-reads them back.
+reads them back; `read_metrics` reads the run's ``metrics.jsonl`` (which the trainer writes).
 
 One line is one episode (`FORMAT` 1): its step, kind, episode/group/index, task, reward, success, end, the env's
 counts, its turns (text, finish reason, the weights that sampled it, tool calls and their observations) and its
@@ -111,6 +111,19 @@ def load_trajectories(run_dir: str | Path, step: int | None = None, kind: str = 
                     sample["tokens"] = decode_tokens(sample["tokens"])
             out.append(record)
     return out
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``; a last line cut short (the process was killed while writing it) is left out."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows = []
+    for k, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1 or line.endswith("\n"):
+                raise ValueError(f"{path}, line {k + 1}: not a JSON row") from None
+    return rows
 
 
 def mismatch(sample: dict) -> np.ndarray | None:

@@ -343,7 +343,8 @@ def test_failed_episodes_are_named_as_the_cause():
 
 
 def test_a_metrics_line_cut_short_by_a_kill_is_left_out(tmp_path):
-    from trainers.tracking import Tracker, read_metrics
+    from mt_env.trajectories import read_metrics
+    from trainers.tracking import Tracker
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')

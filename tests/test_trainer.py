@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainers.ppo import main as ppo_main
-from trainers.tracking import read_metrics
+from mt_env.trajectories import read_metrics
 
 from .conftest import ROOT, subprocess_env
 

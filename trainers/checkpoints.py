@@ -36,7 +36,7 @@ from pathlib import Path
 
 from .config import Config, ConfigError
 from .lora import is_adapter
-from .tracking import read_metrics
+from mt_env.trajectories import read_metrics
 
 MANIFEST = "checkpoint.json"
 SFT_STATE = "sft_state_{}.pt"  #: SFT's own state in a checkpoint taken during SFT, one file per process

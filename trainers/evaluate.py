@@ -30,11 +30,12 @@ if __package__ in (None, ""):
 
 from agents.backend import SamplingParams
 from agents.rollout import RolloutDriver
+from mt_env.errors import debug_flag
 from trainers import checkpoints
 from trainers.config import ConfigError, load_config
 from trainers.recording import Recorder
 from trainers.setup import env_factory, eval_tasks, make_backend, make_models, make_tokenizer, run_device
-from trainers.stopping import debug_flag, entry_point
+from trainers.stopping import entry_point
 
 
 def parse_args(argv=None):

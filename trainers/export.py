@@ -29,10 +29,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from mt_env.errors import debug_flag
 from trainers import checkpoints
 from trainers.config import ConfigError
 from trainers.lora import is_adapter, save_hf
-from trainers.stopping import debug_flag, entry_point
+from trainers.stopping import entry_point
 
 
 def export(checkpoint: str | Path, out: str | Path) -> tuple[Path, str | None]:

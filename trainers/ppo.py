@@ -56,6 +56,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from mt_env.batch import TrainBatch, collate, micro_batches, pack
+from mt_env.errors import debug_flag
 from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run, read_sft_state
@@ -69,7 +70,7 @@ from trainers.rollouts import LocalRollouts, eval_metrics, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
                             make_models, make_tokenizer, model_summary)
 from trainers.sft import SFTStopped, WarmStart, demonstration_samples
-from trainers.stopping import EmptySteps, StopRequested, debug_flag, entry_point, resume_command
+from trainers.stopping import EmptySteps, StopRequested, entry_point, resume_command
 from trainers.tracking import Tracker
 
 

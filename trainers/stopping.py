@@ -12,11 +12,11 @@
 * **Steps that train nothing** — no trainable token (every prompt over the budget, every episode failed), or
   non-finite values that skip the update (a learning rate too high) — are skipped one by one, but `EmptySteps`
   stops the run with `NothingTrains`, naming the cause, after a few in a row.
-* `entry_point` runs a command (the trainer's, evaluation, export, data preparation, benchmarks): the project's own
-  errors are one line, ``error: <message>``, on stderr — a `ConfigError` (a setting, an argument, a run directory)
-  with exit status 2, an `MtEnvError` (missing data, a tokenizer, a tool) or `NothingTrains` with 1 — and an
-  interrupt before training began one line and 130. The traceback is shown only with ``--debug`` (`debug_flag`) or
-  ``MT_ENV_DEBUG=1``; errors of other kinds (bugs, a user's own code) always show theirs.
+* `entry_point` runs a command (the trainer's, evaluation, export, benchmarks): the project's own errors are one
+  line, ``error: <message>``, on stderr (`mt_env.errors.report`; the traceback too with ``--debug`` or
+  ``MT_ENV_DEBUG=1``) — a `ConfigError` (a setting, an argument, a run directory) with exit status 2, an
+  `MtEnvError` (missing data, a tokenizer, a tool) or `NothingTrains` with 1 — and an interrupt before training
+  began one line and 130; errors of other kinds (bugs, a user's own code) always show their traceback.
 """
 
 from __future__ import annotations
@@ -26,16 +26,14 @@ import shlex
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from mt_env.errors import MtEnvError
+from mt_env.errors import MtEnvError, report
 
 from .config import ConfigError
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-DEBUG_VARIABLE = "MT_ENV_DEBUG"  #: set to 1: `entry_point` shows the traceback of the project's errors too
 
 
 class StopRequested:
@@ -161,21 +159,12 @@ def _cause(first: int, last: int, metrics: dict, episodes: list) -> str:
             f"env.budget.max_response_tokens")
 
 
-def debug_flag(parser) -> None:
-    """Add ``--debug`` to a command's argparse `parser` (`entry_point` reads it)."""
-    parser.add_argument("--debug", action="store_true",
-                        help=f"show the traceback of an error, not just its one line (or set {DEBUG_VARIABLE}=1)")
-
-
 def entry_point(main: Callable[[list[str] | None], object], argv: list[str] | None = None) -> int:
     """Run a command's `main`; returns its exit status (see the module docstring)."""
     try:
         summary = main(argv)
     except (ConfigError, MtEnvError, NothingTrains) as e:
-        debug = "--debug" in (sys.argv[1:] if argv is None else argv)
-        if debug or os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
-            traceback.print_exc()
-        print(f"error: {e}", file=sys.stderr)
+        report(e, argv)
         return 2 if isinstance(e, ConfigError) else 1
     except KeyboardInterrupt:
         exit_now(128 + signal.SIGINT, "\ninterrupted: nothing saved since the newest complete checkpoint (if any), "

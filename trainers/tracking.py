@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mt_env.trajectories import read_metrics
+
 #: metric -> short label for the console line, in display order
 CONSOLE = {
     "rollout/success_rate": "success", "rollout/reward_mean": "reward", "val/success": "val_success",
@@ -136,19 +138,6 @@ class Tracker:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
-
-
-def read_metrics(path: Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``; a last line cut short (the process was killed while writing it) is left out."""
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    rows = []
-    for k, line in enumerate(lines):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if k < len(lines) - 1 or line.endswith("\n"):
-                raise ValueError(f"{path}, line {k + 1}: not a JSON row") from None
-    return rows
 
 
 def _keep_up_to(path: Path, step: int, count: int | None = None) -> list[dict]:

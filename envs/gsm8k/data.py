@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from mt_env.errors import MtEnvError
+from mt_env.errors import MtEnvError, debug_flag, report
 
 from .tool import TOOL_NAME
 
@@ -95,10 +95,8 @@ def read_rows(path: str | os.PathLike | None = None, split: str = "train") -> li
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m envs.gsm8k.data --prepare DIR --out rows.jsonl`` (its errors as the trainer's commands show them:
-    `trainers.stopping.entry_point`)."""
-    from trainers.stopping import debug_flag
-
+    """``python -m envs.gsm8k.data --prepare DIR --out rows.jsonl`` (its errors as the project's commands show them:
+    `mt_env.errors.report`)."""
     ap = argparse.ArgumentParser(description="Prepare GSM8K rows with per-sample tools_kwargs.")
     ap.add_argument("--prepare", required=True, help="directory with train.jsonl/test.jsonl, or one jsonl file")
     ap.add_argument("--split", default="train")
@@ -115,6 +113,8 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     import sys
 
-    from trainers.stopping import entry_point
-
-    sys.exit(entry_point(main))
+    try:
+        main()
+    except MtEnvError as error:
+        report(error)
+        sys.exit(1)

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..render import CSS_CLASS, HTML_CSS, LEGEND
 from ..sample import Seg
-from ..trajectories import TOKEN_DTYPES, read_lines, recorded_steps
+from ..trajectories import TOKEN_DTYPES, read_lines, read_metrics, recorded_steps
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 #: the summary table's columns (one value per episode); `CATEGORIES` hold a code into a list of their values
@@ -103,8 +103,6 @@ def metric_series(run_dir: Path) -> dict[str, list[list]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return {}
-    from trainers.tracking import read_metrics
-
     series: dict[str, list[list]] = {}
     for row in read_metrics(path):
         for key, value in row.items():
