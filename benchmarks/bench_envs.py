@@ -53,7 +53,10 @@ sys.path.insert(0, str(CODE))
 import gymnasium as gym  # noqa: E402
 
 import mt_env  # noqa: E402, F401
-from envs.gsm8k.env import GSM8kToolEnv  # noqa: E402
+if (CODE / "envs" / "gsm8k").is_dir():
+    from envs.gsm8k.env import GSM8kToolEnv  # noqa: E402
+else:  # a checkout from before the envs/gsm8k/ folder (--against an older commit)
+    from envs.gsm8k_tool import GSM8kToolEnv  # noqa: E402
 from mt_env.parsers import HermesParser, ToolCall  # noqa: E402
 from mt_env.vector import ToolVectorEnv  # noqa: E402
 
