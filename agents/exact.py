@@ -6,10 +6,11 @@ cached prefix, or the trainer scores it in a padded or packed micro-batch of any
 * `linear`: every row computed in a matmul of ``TILE_ROWS`` rows (padded to whole tiles in fresh memory), so a
   row's reduction order never depends on how many rows a pass has.
 * `tree_sum`: sums by pairwise halving with elementwise additions, an order fixed by the reduced length alone
-  (RMSNorm's mean `mean_last`, the log-softmax's sum, attention's dot products).
+  (RMSNorm's mean `mean_last`, the log-softmax's sum, a key block's softmax weights).
 * `silu`: ``x / (1 + exp(-x))`` (ATen's vectorised and scalar sigmoid differ in the last bit).
 * `attention`: one function for decode, prefill and training: the key axis cut into blocks of ``KEY_BLOCK``
-  positions from position 0, an online softmax over them in order; a block a query cannot see changes nothing.
+  positions from position 0, an online softmax over them in order; a block a query cannot see changes nothing;
+  a query's products are matmuls of one shape (tiles of ``QUERY_TILE`` rows), as `linear`'s.
 * `tempered_log_softmax`: the logprobs the sampler and the trainer both take.
 
 `ops()` routes a module's ``F.linear``, ``F.silu`` and last-dimension ``mean`` through these while it is active (a
@@ -34,6 +35,8 @@ from torch.overrides import TorchFunctionMode
 TILE_ROWS = 32
 #: key positions per block of `attention`'s online softmax
 KEY_BLOCK = 32
+#: (query, head) rows per matmul of `attention`'s torch version (padded to whole tiles in fresh memory)
+QUERY_TILE = 16
 
 
 def _kernels(t: torch.Tensor):
@@ -86,10 +89,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = kernels.matmul(rows, weight)
     elif m == 0:
         out = rows @ weight.t()
-    else:  # a fresh allocation: every tile starts at the same alignment
-        tiles = torch.cat([rows, rows.new_zeros(padded - m, rows.shape[1])])
-        wt = weight.t()
-        out = torch.cat([torch.mm(tiles[i:i + TILE_ROWS], wt) for i in range(0, padded, TILE_ROWS)])[:m]
+    else:  # a fresh allocation: every tile starts at the same alignment; one matmul of [TILE_ROWS, K] per tile
+        k, n = rows.shape[1], weight.shape[0]
+        tiles = torch.cat([rows, rows.new_zeros(padded - m, k)]).view(-1, TILE_ROWS, k)
+        out = torch.bmm(tiles, weight.t().expand(len(tiles), k, n)).view(padded, n)[:m]  # (expand: no copy)
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -112,29 +115,78 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     kernels = _kernels(q)
     if kernels is not None:
         return kernels.attention(q, k, v, q_pos, k_len, scale)
-    heads, kv_heads = q.shape[1], k.shape[1]
-    k, v = k.repeat_interleave(heads // kv_heads, 1).float(), v.repeat_interleave(heads // kv_heads, 1).float()
-    q = q.float()
-    blocks = -(-k.shape[2] // KEY_BLOCK)
-    pad = blocks * KEY_BLOCK - k.shape[2]
-    k, v = F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))
-    m = q.new_full((*q.shape[:3], 1), torch.finfo(torch.float32).min)
-    total = q.new_zeros((*q.shape[:3], 1))
-    acc = torch.zeros_like(q)
-    offsets = torch.arange(KEY_BLOCK, device=q.device)
+    with torch._C.DisableTorchFunction():  # plain tensors in, and no op of this loop for `ops()` to route
+        return _attention(q, k, v, q_pos, k_len, scale)
+
+
+def _attention(q, k, v, q_pos, k_len, scale):
+    """`attention` in torch operations: each (query, head) row's scores and weighted values are matmuls of one
+    shape, [QUERY_TILE, d] x [d, KEY_BLOCK] and [QUERY_TILE, KEY_BLOCK] x [KEY_BLOCK, d], whatever the call holds."""
+    S, heads, Tq, d = q.shape
+    kv_heads, group = k.shape[1], heads // k.shape[1]
+    if S == 0 or Tq == 0 or k.shape[2] == 0:
+        return q.new_zeros((S, heads, Tq, d), dtype=torch.float32)
+    qt, pos = _query_tiles(q, q_pos, group)
+    keys, values, seen_key = _key_blocks(k, v, k_len)
+    tiles, blocks = qt.shape[2], keys.shape[2]
+    # a tile whose queries all precede a block is done before it (for them the block would be an exact no-op:
+    # p = 0, rescale 1); tiles finish in order, so the running state covers the tiles [lo, tiles) (no in-place
+    # updates: autograd differentiates the loop in the update's forward)
+    tile_last = pos.view(S, tiles, QUERY_TILE).amax(-1).amax(0).tolist()  # each tile's last position, over S
+    m = qt.new_full((S, kv_heads, tiles, QUERY_TILE, 1), torch.finfo(torch.float32).min)
+    total, acc, lo, done = torch.zeros_like(m), torch.zeros_like(qt), 0, []
     for j in range(blocks):
-        part = slice(j * KEY_BLOCK, (j + 1) * KEY_BLOCK)
-        scores = tree_sum(q[:, :, :, None, :] * k[:, :, None, part, :], -1) * scale  # [S, heads, Tq, block]
-        keys = j * KEY_BLOCK + offsets
-        visible = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < k_len[:, None, None])
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
+        first = next((t for t, last in enumerate(tile_last) if last >= j * KEY_BLOCK), tiles)
+        if first > lo:
+            done.append((acc[:, :, :first - lo], total[:, :, :first - lo]))
+            m, total, acc, lo = m[:, :, first - lo:], total[:, :, first - lo:], acc[:, :, first - lo:], first
+        if lo == tiles:
+            break
+        scores = torch.matmul(qt[:, :, lo:], keys[:, :, j, None]) * scale  # [S, kv_heads, tiles - lo, rows, block]
+        seen = (j * KEY_BLOCK + _OFFSETS[:KEY_BLOCK].to(pos.device) <= pos[:, :, lo:]) & seen_key[:, j]
+        scores = scores.masked_fill(~seen, float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
         p = torch.exp(scores - m_new)
         alpha = torch.exp(m - m_new)
         total = total * alpha + tree_sum(p, -1, keepdim=True)
-        acc = acc * alpha + tree_sum(p[..., None] * v[:, :, None, part, :], -2)
+        acc = acc * alpha + torch.matmul(p, values[:, :, j, None])
         m = m_new
-    return acc / torch.where(total > 0, total, torch.ones_like(total))
+    done.append((acc, total))
+    acc, total = torch.cat([a for a, _ in done], 2), torch.cat([t for _, t in done], 2)
+    acc = acc / torch.where(total > 0, total, torch.ones_like(total))
+    acc = acc.view(S, kv_heads, tiles * QUERY_TILE, d)[:, :, :Tq * group].reshape(S, kv_heads, Tq, group, d)
+    return acc.transpose(2, 3).reshape(S, heads, Tq, d)
+
+
+_OFFSETS = torch.arange(KEY_BLOCK)
+
+
+def _query_tiles(q: torch.Tensor, q_pos: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (query, head) rows of each KV head, query-major (as the Triton kernel lays them out), in whole tiles of
+    fresh float32 memory: [S, kv_heads, tiles, QUERY_TILE, d] (padding rows zero); and each row's position
+    [S, 1, tiles, QUERY_TILE, 1] (padding rows -1: they see nothing)."""
+    S, heads, Tq, d = q.shape
+    rows = Tq * group
+    tiles = -(-rows // QUERY_TILE)
+    qt = q.new_zeros((S, heads // group, tiles * QUERY_TILE, d), dtype=torch.float32)
+    qt[:, :, :rows] = q.float().reshape(S, heads // group, group, Tq, d).transpose(2, 3).reshape(S, -1, rows, d)
+    pos = q_pos.new_full((S, tiles * QUERY_TILE), -1)
+    pos[:, :rows] = q_pos.repeat_interleave(group, 1)
+    return qt.view(S, heads // group, tiles, QUERY_TILE, d), pos.view(S, 1, tiles, QUERY_TILE, 1)
+
+
+def _key_blocks(k: torch.Tensor, v: torch.Tensor, k_len: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Keys as [S, kv_heads, blocks, d, KEY_BLOCK] and values as [S, kv_heads, blocks, KEY_BLOCK, d] in float32,
+    values zero past each sequence's `k_len` (no NaN of an unwritten position reaches a product: 0 * NaN), and
+    which keys are valid, [S, blocks, 1, 1, 1, KEY_BLOCK] (broadcast against a block's scores)."""
+    S, kv_heads, Tk, d = k.shape
+    blocks = -(-Tk // KEY_BLOCK)
+    valid = torch.arange(blocks * KEY_BLOCK, device=k.device)[None, :] < k_len[:, None]  # [S, keys]
+    keys = k.new_zeros((S, kv_heads, blocks * KEY_BLOCK, d), dtype=torch.float32)
+    keys[:, :, :Tk] = k  # (a key past k_len is never seen: its score is masked)
+    values = torch.where(valid[:, None, :, None], F.pad(v.float(), (0, 0, 0, blocks * KEY_BLOCK - Tk)), 0.0)
+    keys = keys.view(S, kv_heads, blocks, KEY_BLOCK, d).transpose(-1, -2).contiguous()
+    return keys, values.view(S, kv_heads, blocks, KEY_BLOCK, d), valid.view(S, blocks, 1, 1, 1, KEY_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------- the trainer's layout

@@ -259,3 +259,22 @@ def test_a_single_turn_sample_trains_exactly_its_sampled_tokens():
     assert sample.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25] and sample.prompt_len == 3
     with pytest.raises(ValueError, match="2 sampled ids but 1 logprobs"):
         Sample.single_turn([5], [8, 9], [-0.5])
+
+
+# --------------------------------------------------------------------------------------------- a training run
+@pytest.mark.parametrize("layout", ["trainer.packed=false", "trainer.packed=true"])
+def test_every_step_of_an_exact_run_has_no_mismatch(tmp_path, layout):
+    """trainers/ppo.py with `rollout.exact_logprobs` (CPU, tiny recipe): the old-logprob pass of every step (two
+    mini-batches, so a pass of its own) equals the engine's logprobs on every sampled token; off, it does not."""
+    from .test_trainer import metrics, run
+
+    for on in (True, False):
+        out = tmp_path / str(on)
+        run(out, layout, f"rollout.exact_logprobs={str(on).lower()}", "sft.steps=0", "eval.episodes=2",
+            "trainer.minibatch_size=4", "trainer.micro_batch_size=3", "threads=1", steps=2)
+        steps = [r for r in metrics(out) if "actor/loss" in r]
+        assert len(steps) == 2
+        if on:
+            assert all(r["mismatch/logprob_abs_max"] == 0.0 and r["mismatch/exact_violations"] == 0 for r in steps)
+        else:
+            assert "mismatch/exact_violations" not in steps[0] and steps[0]["mismatch/logprob_abs_max"] > 0
