@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,19 @@ KEY_BLOCK = 32
 QUERY_TILE = 16
 
 
+#: set to 1 to run the Triton kernels on CPU too (under ``TRITON_INTERPRET=1``: a slow check of the CUDA path's logic)
+KERNELS_ON_CPU = "MT_ENV_EXACT_TRITON_ON_CPU"
+
+
 def _kernels(t: torch.Tensor):
-    """`agents.triton_exact` when `t` is on CUDA and Triton imports, else None (the torch versions below)."""
-    return _triton_exact() if t.device.type == "cuda" else None
+    """`agents.triton_exact` when `t` is on CUDA (or `KERNELS_ON_CPU` is set) and Triton imports, else None (the
+    torch versions below)."""
+    return _triton_exact() if t.device.type == "cuda" or _kernels_on_cpu() else None
+
+
+@functools.cache
+def _kernels_on_cpu() -> bool:
+    return os.environ.get(KERNELS_ON_CPU) == "1"
 
 
 @functools.cache
@@ -69,9 +80,18 @@ def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Ten
     return x if keepdim else x.squeeze(dim)
 
 
+def last_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """The sum over the last dimension in an order fixed by its length: `tree_sum`, or on CUDA (float32)
+    `triton_exact.row_sum` (one launch)."""
+    kernels = _kernels(x)
+    if kernels is not None and x.dtype == torch.float32:
+        return kernels.row_sum(x, keepdim)
+    return tree_sum(x, -1, keepdim)
+
+
 def mean_last(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    """The mean over the last dimension (RMSNorm's), by `tree_sum`."""
-    return tree_sum(x, -1, keepdim) / x.shape[-1]
+    """The mean over the last dimension (RMSNorm's), by `last_sum`."""
+    return last_sum(x, keepdim) / x.shape[-1]
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +123,7 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> tor
     `temperature` [N]: the function the engine's sampler and the trainer's logprobs share in exact mode."""
     z = logits.float().contiguous() / temperature.float()[:, None]
     shifted = z - z.amax(-1, keepdim=True)
-    return shifted - torch.log(tree_sum(torch.exp(shifted), -1, keepdim=True))
+    return shifted - torch.log(last_sum(torch.exp(shifted), keepdim=True))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,

@@ -1,27 +1,25 @@
-"""Exact mode's matmul and attention as Triton kernels (CUDA; docs/exact.md, "On CUDA"): the same contracts as
-`agents.exact.linear` and `agents.exact.attention`, one launch each instead of a loop of small operations.
+"""Exact mode's matmul, attention and row sum as Triton kernels (CUDA; docs/exact.md, "On CUDA"): the contracts of
+`agents.exact.linear`, `agents.exact.attention` and `agents.exact.last_sum`, one launch each instead of many.
 
 Why kernels of our own: cuBLAS picks its algorithm, tile and split-K from the problem's shape, and SDPA / flash
-attention pick their split of the key axis (split-KV for decode) from the batch and the lengths, so a row's bits
-depend on how many rows share its call. Batch invariance needs the opposite: one configuration, fixed in the code,
-whatever the shapes of the call.
+attention pick their split of the key axis from the batch and the lengths, so a row's bits depend on how many rows
+share its call. Batch invariance needs one configuration, fixed in the code, whatever the shapes of the call.
 
 * `matmul`: one tile configuration per input dtype (`MATMUL_CONFIGS`), never chosen from M; each program owns one
   [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating in float32 (no split-K, no
-  autotune). An output element is the dot product of its row of x with a column of W^T, accumulated in the same
-  order by the same instructions wherever the row sits in its tile (the tensor-core MMA computes every element of
-  its tile alike; rows past M are masked zeros that feed no other row), so a row's bits depend on its own values only.
-* `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order with an
-  online softmax in float32. A program holds `QUERY_BLOCK` (query, head) rows of one sequence and one KV head — the
-  heads of a GQA group side by side — and each row's arithmetic is its own: its scores are its row of Q·K^T, its
-  max, sum and rescaling are per-row reductions whose order the fixed layout sets, and its output is its row of P·V.
-  The program runs up to the block of its last query's position; for a row a block past its own position is an exact
-  no-op (its scores are -inf: p = 0, the running max stays, the rescale factor is exp(0) = 1), so which other
-  queries share a program — decode's one query, a prefill after a cached prefix, the trainer's whole sequence — and
-  how many trailing keys the call carries change no bit. Keys past `k_len` are never read (masked loads).
+  autotune). An output element is accumulated in the same order by the same instructions wherever its row sits in
+  its tile (rows past M are masked zeros that feed no other row): a row's bits depend on its own values only.
+* `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order with an online
+  softmax in float32. A program holds `QUERY_BLOCK` (query, head) rows of one sequence and one KV head, each row's
+  arithmetic its own (scores, max, sum, rescaling, output: per-row, in an order the fixed layout sets). It runs up to
+  its last query's block; for a row a block past its own position is an exact no-op (scores -inf: p = 0, the max
+  stays, the rescale is exp(0) = 1), so which queries share a program (decode's one, a prefill after a cached
+  prefix, the trainer's whole sequence) and trailing keys change no bit. Keys past `k_len` are never read.
+* `row_sum`: one program per row, `SUM_BLOCK` lanes each adding the row's elements at its lane in order, then one
+  fixed tree over the lanes: an order set by the row's length alone.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU, float32) a loop bound must be a constant: there the loops run
-over the whole key (or K) axis with the same masks — the same arithmetic, by the no-op argument above.
+over the whole axis with the same masks — the same arithmetic, by the no-op argument above.
 """
 
 from __future__ import annotations
@@ -40,6 +38,8 @@ MATMUL_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128
 KEY_BLOCK = 64
 #: (query, head) rows per attention program
 QUERY_BLOCK = 64
+#: lanes of `row_sum` (a shorter row: the next power of two of its length)
+SUM_BLOCK = 1024
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -220,3 +220,51 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
                             IEEE=q.dtype == torch.float32, STATIC_KEYS=Tk if _INTERPRETED else 0,
                             INTERPRETED=_INTERPRETED, num_warps=4, num_stages=2)
     return out
+
+
+# --------------------------------------------------------------------------------------------- row sum
+@triton.jit(do_not_specialize=["n"])
+def _row_sum_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, STATIC_N: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, STATIC_N if INTERPRETED else n, BLOCK):  # each lane adds its elements in order
+        at = start + lanes
+        acc += tl.load(x_ptr + row * stride_row + at, mask=at < n, other=0.0)
+    tl.store(out_ptr + row, tl.sum(acc, 0))  # one tree over the lanes, fixed by BLOCK
+
+
+def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
+    """The sum of float32 `x` over its last dimension, in an order set by that dimension's length alone (a row's bits
+    do not depend on the other rows). Differentiable."""
+    if x.dtype != torch.float32:
+        raise ValueError(f"exact row_sum: float32 in, got {x.dtype}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _RowSum.apply(x, keepdim)
+    return _row_sum(x, keepdim)
+
+
+class _RowSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, keepdim):
+        ctx.shape, ctx.keepdim = x.shape, keepdim
+        return _row_sum(x, keepdim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.keepdim else grad.unsqueeze(-1)).expand(ctx.shape), None
+
+
+def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    n = x.shape[-1]
+    rows = x.reshape(-1, n) if n else x.reshape(-1, 1)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0] and n:
+        block = min(SUM_BLOCK, triton.next_power_of_2(n))
+        _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=block,
+                                          STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
+                                          num_warps=4 if block >= 512 else 1)
+    return out.reshape(*x.shape[:-1], *((1,) if keepdim else ()))

@@ -1,7 +1,8 @@
 """Exact mode's Triton kernels (`agents.triton_exact`, docs/exact.md): the matmul close to torch's and a row's bits
 independent of how many rows share the call and where the row sits; the attention close to `agents.exact.attention`'s
 torch version and a query's bits independent of which queries share the call (decode's one, a prefill's run after a
-cached prefix, any subset in any order) and of the keys past its sequence's length. Runs on CUDA
+cached prefix, any subset in any order) and of the keys past its sequence's length; the row sum close to torch's and a
+row's bits independent of the other rows. Runs on CUDA
 (``MT_ENV_TEST_DEVICE=cuda``, float32 and bfloat16), or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
 float32: the interpreter reads bfloat16 wrongly in `tl.dot`)."""
 
@@ -144,3 +145,28 @@ def test_the_kernels_are_differentiable_as_the_torch_versions():
     out = exact.attention(*cpu, positions.cpu(), lengths.cpu(), 0.25)  # the torch version (CPU)
     for a, b in zip(g, torch.autograd.grad(out.square().sum(), cpu)):
         torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------- row sum
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(rows=st.integers(1, 40), picks=st.lists(st.integers(0, 39), min_size=1, max_size=10),
+       n=st.sampled_from([1, 7, 64, 896, 1000, 2500]), seed=st.integers(0, 2**16))
+def test_row_sum_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed):
+    """RMSNorm's mean and the log-softmax's sum: any selection of rows summed in a call of its own gives the same
+    bits as in the full call (and as a leading block of a 3-d batch); values close to torch's sum."""
+    x = randn(40, n, seed=seed) * 3
+    full = triton_exact.row_sum(x)
+    chosen = torch.tensor([p % rows for p in picks], device=DEVICE)
+    assert full.shape == (40,) and triton_exact.row_sum(x, keepdim=True).shape == (40, 1)
+    assert torch.equal(triton_exact.row_sum(x[:rows][chosen]), full[chosen])
+    assert torch.equal(triton_exact.row_sum(x.reshape(8, 5, n))[:1].reshape(-1), full[:5])
+    torch.testing.assert_close(full.double(), x.double().sum(-1), atol=1e-4 * n ** 0.5, rtol=1e-5)
+
+
+def test_row_sum_is_differentiable_and_refuses_other_dtypes():
+    x = randn(6, 300, seed=3).requires_grad_()
+    (g,) = torch.autograd.grad((triton_exact.row_sum(x, keepdim=True) ** 2).sum(), x)
+    torch.testing.assert_close(g, 2 * x.detach().sum(-1, keepdim=True).expand_as(x), atol=1e-3, rtol=1e-5)
+    assert triton_exact.row_sum(randn(0, 5, seed=0)).shape == (0,)
+    with pytest.raises(ValueError, match="float32"):
+        triton_exact.row_sum(randn(2, 5, seed=0, dtype=torch.float64))
