@@ -32,8 +32,9 @@ from typing import Any
 
 import torch
 
-#: compilations (dynamo frames compiled by Inductor) and the seconds Inductor spent on them, in this process
-COMPILE_COUNTS: dict[str, float] = {"compilations": 0, "compile_s": 0.0}
+#: compilations (dynamo frames compiled by Inductor) and the seconds Inductor spent on them, in this process; and the
+#: seconds of the calls that compiled (dynamo's tracing and the first run included: what a first step waits for)
+COMPILE_COUNTS: dict[str, float] = {"compilations": 0, "compile_s": 0.0, "compiling_calls_s": 0.0}
 #: room for every (model architecture x dtype x one-row x full-length) variant of a function; dynamo's default (8)
 #: would silently send later variants to eager
 RECOMPILE_LIMIT = 64
@@ -102,11 +103,15 @@ class Compiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.failure is None:
             _CALLING.name = self.eager.__name__
+            before, start = COMPILE_COUNTS["compilations"], time.perf_counter()
             try:
-                with _recompile_room(), _QUIET.quiet():
+                with _dynamo_settings(), _QUIET.quiet():
                     return self._compiled(*args, **kwargs)
             except torch._dynamo.exc.TorchDynamoException as e:  # compilation failed: the call did not run
                 self.failure = f"{self.eager.__name__}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+            finally:
+                if COMPILE_COUNTS["compilations"] != before:
+                    COMPILE_COUNTS["compiling_calls_s"] += time.perf_counter() - start
         return self.eager(*args, **kwargs)
 
 
@@ -120,20 +125,24 @@ def compiled(fn: Callable) -> Compiled:
     return _COMPILED[fn]
 
 
-def _recompile_room():
-    """Dynamo's recompile limit raised to `RECOMPILE_LIMIT` for one call (unless it is that high already). The
-    patch object is made once: making one is slow enough that every eager step of every layer would feel it."""
-    global _ROOM
-    limits = torch._dynamo.config
-    name = "recompile_limit" if hasattr(limits, "recompile_limit") else "cache_size_limit"
-    if getattr(limits, name) >= RECOMPILE_LIMIT:
+def _dynamo_settings():
+    """Dynamo's settings for one call: the recompile limit raised to `RECOMPILE_LIMIT`, and Python floats specialised
+    (a float a layer carries, such as attention's ``scaling``, is otherwise traced as a symbolic float that dynamo
+    then fails to turn into a tensor, throws the attempt away and traces again with it specialised: every compiled
+    function paid its first tracing twice). The patch object is made once: making one is slow enough that every
+    eager step of every layer would feel it."""
+    global _SETTINGS
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, limit) >= RECOMPILE_LIMIT and getattr(config, "specialize_float", True):
         return contextlib.nullcontext()
-    if _ROOM is None:
-        _ROOM = limits.patch(**{name: RECOMPILE_LIMIT})
-    return _ROOM
+    if _SETTINGS is None:
+        floats = {"specialize_float": True} if hasattr(config, "specialize_float") else {}
+        _SETTINGS = config.patch(**{limit: max(RECOMPILE_LIMIT, getattr(config, limit))}, **floats)
+    return _SETTINGS
 
 
-_ROOM: Any = None
+_SETTINGS: Any = None
 
 
 def stop_compile_workers(timeout_s: float | None = None) -> None:

@@ -20,7 +20,8 @@ the 7B recipe on one GPU) reports step time and peak memory; its raw baseline is
 same model, with its AdamW state, is not what it is compared with, and would not fit beside it), and its MFU counts
 the full model's 6 x parameters as for the others.
 
-The record also holds `mismatch_abs_max`, the largest ``mismatch/logprob_abs_max`` of any step (the rollout's
+`first_step` holds the first step's phases, the run's seconds to its end, and the Inductor compilations by then
+(issue 27: a first step <= 30 s). The record also holds `mismatch_abs_max`, the largest ``mismatch/logprob_abs_max`` of any step (the rollout's
 logprobs against the trainer's; 0.0 in exact mode, issue 28), and `exact_logprobs`, the recipe's mode
 (``--set rollout.exact_logprobs=true`` turns it on).
 
@@ -53,7 +54,7 @@ from bench_update import PEAK_TFLOPS  # noqa: E402
 from mt_env.trajectories import read_metrics  # noqa: E402
 
 PHASES = ("rollout", "old_logprob", "ref", "update")
-GOAL_STEP_S, GOAL_RATIO = 6.0, 0.8
+GOAL_STEP_S, GOAL_RATIO, GOAL_FIRST_S = 6.0, 0.8, 30.0
 
 
 def run_trainer(args, out_dir: str) -> tuple[list[dict], list[str]]:
@@ -79,6 +80,20 @@ def steady(rows: list[dict], warmup: int) -> dict:
     out["peak_reserved_gib"] = max((r.get("perf/peak_reserved_gib", 0.0) for r in rows), default=0.0) or None
     # the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`: ``engine/*``)
     out["engine"] = {key.removeprefix("engine/"): median(key) for key in kept[0] if key.startswith("engine/")}
+    return out
+
+
+def first_step(rows: list[dict]) -> dict:
+    """The first step, where compilations and graph captures land (issue 27's warm-up goal: <= 30 s): its phases,
+    the run's time up to its end (setup and the evaluation before it included), and the Inductor compilations (count,
+    seconds) the process had made by then with its rollout's graph captures."""
+    first = rows[0]
+    out = {"step_s": first["perf/step_s"], "elapsed_s": first.get("perf/elapsed_s"),
+           "compilations": first.get("perf/compilations_total"), "compile_s": first.get("perf/compile_s_total"),
+           "compiling_calls_s": first.get("perf/compiling_calls_s_total")}
+    out.update({f"{phase}_s": first.get(f"perf/{phase}_s", 0.0) for phase in PHASES})
+    out.update({key.replace("engine/", "rollout_"): first[key] for key in ("engine/graph_captures",
+                "engine/prefill_graph_captures", "engine/compilations", "engine/compile_s") if key in first})
     return out
 
 
@@ -181,7 +196,7 @@ def main():
     figures = steady(rows, args.warmup)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
     figures.update(phase_rates(figures, cfg, args, device))
-    figures.update(mismatch_of(rows, cfg))
+    figures.update(mismatch_of(rows, cfg), first_step=first_step(rows))
     figures.update(config=args.config, overrides=overrides, torch=torch.__version__)
     old = f"{figures['old_logprob_s']:.2f}" if figures["old_logprob_s"] else "taken from the update"
     print(f"\nsteady steps {figures['steps']}: step {figures['step_s']:.2f} s "
@@ -194,6 +209,13 @@ def main():
               f"prefill passes {e['prefill_s']:.2f}, {e['decode_passes']:.0f} decode steps: launching "
               f"{e['launch_s']:.2f}, waiting for them {e['step_wait_s']:.2f}), {e['prefilled_tokens']:.0f} tokens "
               f"prefilled, {e['cached_tokens']:.0f} cached; idle {figures['rollout_s'] - e['busy_s']:.2f} s of the rollout's {figures['rollout_s']:.2f}")
+    f = figures["first_step"]
+    print(f"first step {f['step_s']:.1f} s (rollout {f['rollout_s']:.1f}, reference {f['ref_s']:.1f}, update "
+          f"{f['update_s']:.1f}); by its end {f['elapsed_s'] or 0:.0f} s of run, {f['compilations'] or 0:.0f} Inductor "
+          f"compilations ({f['compile_s'] or 0:.0f} s in Inductor, {f['compiling_calls_s'] or 0:.0f} s in the calls "
+          f"that compiled); its rollout {f.get('rollout_graph_captures', 0):.0f} + "
+          f"{f.get('rollout_prefill_graph_captures', 0):.0f} graph captures  "
+          f"{'PASS' if f['step_s'] <= GOAL_FIRST_S else 'FAIL'} (goal <= {GOAL_FIRST_S:.0f} s)")
     print(f"logprob mismatch (rollout vs trainer), max over steps: {figures['mismatch_abs_max']} "
           f"(exact_logprobs {figures['exact_logprobs']})")
     mfu = {k: "n/a" if v is None else f"{100 * v:.1f}%" for k, v in figures["mfu"].items()}

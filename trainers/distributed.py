@@ -145,13 +145,25 @@ def peak_memory(device: torch.device) -> dict[str, float]:
             "perf/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
 
 
+def compile_totals() -> dict[str, float]:
+    """Inductor's compilations in this process so far (the engine's and the trainer's, `agents.compiling`), their
+    seconds, and the seconds of the calls that compiled (dynamo's tracing included): what makes a first step slow (a
+    step's own share is the difference from the step before)."""
+    from agents.compiling import COMPILE_COUNTS
+
+    return {"perf/compilations_total": COMPILE_COUNTS["compilations"],
+            "perf/compile_s_total": COMPILE_COUNTS["compile_s"],
+            "perf/compiling_calls_s_total": COMPILE_COUNTS["compiling_calls_s"]}
+
+
 #: metrics that count things: summed over processes (everything else is averaged)
 COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout/failed", "rollout/skipped",
           "rollout/tool_errors", "rollout/parse_errors", "rollout/generated_tokens", "val/failed", "grpo/groups",
           "grpo/zero_variance_groups"}
 COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
 #: metrics that are maxima over the processes (memory per GPU)
-MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "async/staleness_max"}
+MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "async/staleness_max", "perf/compilations_total",
+          "perf/compile_s_total", "perf/compiling_calls_s_total"}
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:

@@ -61,8 +61,9 @@ from trainers import algos
 from trainers.async_rollout import Link, RemoteRollouts, open_link, serve
 from trainers.checkpoints import Checkpointer, RunPlan, RunState, plan_run, read_sft_state
 from trainers.config import Config, load_config
-from trainers.distributed import (FullStateDict, across_processes, forward_passes_everywhere, frozen_reference,
-                                  fsdp_sharding, initialize_root, peak_memory, reduce_metrics, token_means)
+from trainers.distributed import (FullStateDict, across_processes, compile_totals, forward_passes_everywhere,
+                                  frozen_reference, fsdp_sharding, initialize_root, peak_memory, reduce_metrics,
+                                  token_means)
 from trainers.lora import AdaptersOff, has_adapters
 from trainers.modeling import PolicyModel
 from trainers.recording import Recorder
@@ -153,7 +154,7 @@ def main(argv=None) -> dict:
                 "perf/tokens": float(batch.attention_mask.sum()), "perf/trained_tokens": float(batch.loss_mask.sum()),
                 "perf/sequences": len(batch), "perf/epochs": t.epochs,
                 "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
-                "dist/processes": acc.num_processes, **peak_memory(acc.device),
+                "dist/processes": acc.num_processes, **peak_memory(acc.device), **compile_totals(),
             })
             metrics = log_metrics(run, step, metrics)
             run.empty_steps.updated(step, metrics, t.lr)  # an update whose optimizer steps were all skipped counts
