@@ -11,10 +11,13 @@
 #   bash benchmarks/run_gpu.sh exact     # 1 GPU: exact mode's tests on CUDA (Triton kernels, engine = trainer bit for
 #                                        #   bit), then its cost, on/off -> h200/exact
 #   bash benchmarks/run_gpu.sh lora7b    # 1 GPU: the 7B shape's LoRA recipe, 4 RL steps -> h200/rl_step_7b_lora
+#   bash benchmarks/run_gpu.sh agent     # 1 GPU: agent workloads A, B and GSM8K, prefix cache on/off -> h200/agent
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
+#   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
+#                                        #   agent rollout, the caching allocator off (issue 27) -> $EXP/sanitize.txt
 #   bash benchmarks/run_gpu.sh engine_check  # 1 GPU: greedy tokens of the engine against the transformers path
 #   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
 #                                        # generate), with its env work in 4, then 8 processes (FIRST_STEP=10: steps
@@ -69,6 +72,21 @@ case "${1:-}" in
   update)
     timeout 200 python3 benchmarks/bench_update.py --device cuda 2>&1 | tail -9
     echo "bench_update rc=${PIPESTATUS[0]}" ;;
+  agent)  # the agent workloads (issue 27): prefix cache on and off in one process -> h200/agent
+    timeout 560 python3 benchmarks/bench_agent.py --device cuda --workloads A B gsm8k --env-processes 8 2>&1 \
+      | grep -v "Warn\|warn" | tail -6; echo "bench_agent rc=${PIPESTATUS[0]}" ;;
+  sanitize)  # an experiment: memcheck sees out-of-bounds accesses only with the caching allocator off
+    if ! command -v compute-sanitizer > /dev/null; then
+      PATH=$PATH:/usr/local/cuda/bin
+    fi
+    command -v compute-sanitizer > /dev/null || { echo "sanitize: no compute-sanitizer on this machine" >&2; exit 3; }
+    export PYTORCH_NO_CUDA_MEMORY_CACHING=1 MT_ENV_TEST_DEVICE=cuda
+    { timeout 330 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest tests/test_triton_attention.py \
+        tests/test_prefix_cache.py -q -x -p no:cacheprovider; echo "memcheck tests rc=$?"
+      timeout 220 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/bench_agent.py --device cuda \
+        --workloads B --scale 0.1 --out "$EXP/agent_sanitized.json"; echo "memcheck agent B rc=$?"; } \
+      > "$EXP/sanitize.txt" 2>&1
+    grep -E "ERROR SUMMARY|rc=|passed|failed" "$EXP/sanitize.txt" | tail -8 ;;
   engine_check)  # an experiment: the engine's greedy tokens against the transformers path (docs/engine.md's table)
     timeout 500 python3 benchmarks/gpu_engine_check.py --quick --out "$EXP/gpu_engine_check.json" 2>&1 | tail -20
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
@@ -108,5 +126,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|scaling|fsdp|engine_check|driver256|ab256" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|sanitize|engine_check|driver256|ab256" >&2
+     exit 2 ;;
 esac
