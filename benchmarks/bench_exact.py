@@ -10,6 +10,10 @@ mismatch of each (0.0 in exact mode).
 
 Goals (issue 28, H200, 0.5B shape): exact costs <= 1.3x the engine's time and <= 1.2x the update's.
 
+``--profile N`` then profiles one more engine generation and one more trainer pass with exact mode on
+(`torch.profiler`) and prints the N operations that took the most device time: where the cost is. Off a GPU only the
+trainer pass (the profiler records CPU operations of its own thread; the engine runs in a worker thread).
+
     python benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b            # -> results/h200/exact.json
     python benchmarks/bench_exact.py --device cpu --model tiny --batch 16 --new-tokens 32 --prompt 64
 """
@@ -89,6 +93,22 @@ def trainer_run(lm, batch, args, exact: bool):
     return best, algos.logprob_mismatch(scored, exact)
 
 
+def profile_exact(lm, prompts, batch, args, top: int) -> None:
+    """Print the `top` operations by self device time of one exact engine generation, then one exact trainer pass."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = batch.input_ids.is_cuda
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    once = argparse.Namespace(**{**vars(args), "repeats": 0})
+    runs = [("engine", lambda: engine_run(lm, prompts, once, True))] if cuda else []
+    for name, run in runs + [("trainer pass", lambda: trainer_run(lm, batch, once, True))]:
+        with profile(activities=activities) as prof:
+            run()
+        print(f"\nexact on, {name}: the {top} costliest operations")
+        print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,6 +119,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--micro-tokens", type=int, default=8192, help="trainer: tokens per packed micro-batch")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest operations of exact mode")
     record.add_arguments(ap)
     args = ap.parse_args(argv)
     rec = record.start(args, "exact", device=args.device)
@@ -123,6 +144,8 @@ def main(argv=None) -> dict:
     print(f"exact mode costs {figures['engine_cost_x']:.2f}x the engine's time, {figures['trainer_cost_x']:.2f}x "
           f"the trainer pass's")
     rec.write(figures)
+    if args.profile:
+        profile_exact(lm, prompts, batch, args, args.profile)
     return figures
 
 

@@ -16,6 +16,8 @@
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
+#   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (uncompiled), its
+#                                        #   mismatch at every step and its phases -> $EXP/rl_step_exact.json
 #   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
 #                                        #   agent rollout, the caching allocator off (issue 27) -> $EXP/sanitize.txt
 #   bash benchmarks/run_gpu.sh engine_check  # 1 GPU: greedy tokens of the engine against the transformers path
@@ -75,6 +77,9 @@ case "${1:-}" in
   agent)  # the agent workloads (issue 27): prefix cache on and off in one process -> h200/agent
     timeout 560 python3 benchmarks/bench_agent.py --device cuda --workloads A B gsm8k --env-processes 8 2>&1 \
       | grep -v "Warn\|warn" | tail -6; echo "bench_agent rc=${PIPESTATUS[0]}" ;;
+  exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes; compare with h200/rl_step's phases)
+    timeout 560 python3 benchmarks/bench_rl_step.py --set rollout.exact_logprobs=true --steps 4 --warmup 1 \
+      --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12; echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
   sanitize)  # an experiment: memcheck sees out-of-bounds accesses only with the caching allocator off
     if ! command -v compute-sanitizer > /dev/null; then
       PATH=$PATH:/usr/local/cuda/bin
@@ -100,7 +105,7 @@ case "${1:-}" in
       tests/test_triton_attention.py -q \
       -p no:cacheprovider 2>&1 | tail -6; echo "exact tests rc=${PIPESTATUS[0]}"
     timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b --batch 32 --prompt 128 \
-      --new-tokens 32 --repeats 1 2>&1 | tail -4
+      --new-tokens 32 --repeats 1 --profile 20 2>&1 | grep -v "Warn\|warn" | tail -64
     echo "bench_exact rc=${PIPESTATUS[0]}" ;;
   lora7b)  # the 7B shape's LoRA recipe, 4 RL steps phase by phase -> h200/rl_step_7b_lora
     timeout 500 python3 benchmarks/bench_rl_step.py --config gsm8k_qwen2.5_7b_lora.yaml --steps 4 --warmup 1 \
@@ -126,6 +131,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|exact_step|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac
