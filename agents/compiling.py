@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -44,6 +45,12 @@ progress = logging.getLogger("agents.progress")
 _CALLING = threading.local()  # the name of the function a `Compiled` is calling on this thread
 #: how long the end of a process waits for Inductor's compile workers to stop before their sidecar is killed
 COMPILE_WORKERS_STOP_S = 5.0
+#: Inductor's cache (compiled graphs, kernels) when ``TORCHINDUCTOR_CACHE_DIR`` is not set: a folder that outlives
+#: a reboot, where Inductor's default is under /tmp (as vLLM keeps its compile cache under ~/.cache)
+CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt_env", "inductor")
+# set on import: torch fixes its default when torch._dynamo is first imported (a process that imported it before
+# keeps torch's choice)
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", CACHE_DIR)
 
 
 def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:

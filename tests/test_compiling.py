@@ -1,14 +1,19 @@
-"""`agents.compiling`: one Inductor compilation per compiled function and shape class, without a wasted attempt."""
+"""`agents.compiling`: one Inductor compilation per compiled function and shape class, without a wasted attempt, kept
+in a cache that outlives the process and a reboot."""
 
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from agents import compiling
+
+from .conftest import subprocess_env
 
 
 class _Scaled(nn.Module):
@@ -38,3 +43,17 @@ def test_a_float_attribute_compiles_once_without_a_restarted_attempt(caplog):
     assert fn.failure is None and len(attempts) == len(done) == 1, caplog.text
     assert again.shape == (2, 2, 5, 16)
     torch.testing.assert_close(out, _attend(_Scaled(0.125), x))
+
+
+def test_inductor_keeps_its_cache_where_a_reboot_leaves_it(tmp_path):
+    """Inductor's compiled graphs and kernels go to ~/.cache/mt_env/inductor (XDG_CACHE_HOME honoured) unless
+    TORCHINDUCTOR_CACHE_DIR says otherwise: a later run on the machine skips most compilation."""
+    probe = ("import agents.compiling, torch._dynamo; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
+             "print(cache_dir())")
+    env = {k: v for k, v in subprocess_env(XDG_CACHE_HOME=str(tmp_path)).items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    run = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == str(tmp_path / "mt_env" / "inductor")
+    chosen = tmp_path / "elsewhere"
+    run = subprocess.run([sys.executable, "-c", probe], env=env | {"TORCHINDUCTOR_CACHE_DIR": str(chosen)},
+                         capture_output=True, text=True, check=True)
+    assert run.stdout.strip() == str(chosen)
