@@ -155,6 +155,7 @@ def _attention(q, k, v, q_pos, k_len, scale):
     tile_last = pos.view(S, tiles, QUERY_TILE).amax(-1).amax(0).tolist()  # each tile's last position, over S
     m = qt.new_full((S, kv_heads, tiles, QUERY_TILE, 1), torch.finfo(torch.float32).min)
     total, acc, lo, done = torch.zeros_like(m), torch.zeros_like(qt), 0, []
+    offsets = torch.arange(KEY_BLOCK, device=q.device)
     for j in range(blocks):
         first = next((t for t, last in enumerate(tile_last) if last >= j * KEY_BLOCK), tiles)
         if first > lo:
@@ -162,8 +163,8 @@ def _attention(q, k, v, q_pos, k_len, scale):
             m, total, acc, lo = m[:, :, first - lo:], total[:, :, first - lo:], acc[:, :, first - lo:], first
         if lo == tiles:
             break
-        scores = torch.matmul(qt[:, :, lo:], keys[:, :, j, None]) * scale  # [S, kv_heads, tiles - lo, rows, block]
-        seen = (j * KEY_BLOCK + _OFFSETS[:KEY_BLOCK].to(pos.device) <= pos[:, :, lo:]) & seen_key[:, j]
+        scores = torch.matmul(qt[:, :, lo:], keys[:, :, j, None]) * scale  # [S, kv_heads, tiles - lo, tile, block]
+        seen = (j * KEY_BLOCK + offsets <= pos[:, :, lo:]) & seen_key[:, j]
         scores = scores.masked_fill(~seen, float("-inf"))
         m_new = torch.maximum(m, scores.amax(-1, keepdim=True))
         p = torch.exp(scores - m_new)
@@ -176,9 +177,6 @@ def _attention(q, k, v, q_pos, k_len, scale):
     acc = acc / torch.where(total > 0, total, torch.ones_like(total))
     acc = acc.view(S, kv_heads, tiles * QUERY_TILE, d)[:, :, :Tq * group].reshape(S, kv_heads, Tq, group, d)
     return acc.transpose(2, 3).reshape(S, heads, Tq, d)
-
-
-_OFFSETS = torch.arange(KEY_BLOCK)
 
 
 def _query_tiles(q: torch.Tensor, q_pos: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
