@@ -223,6 +223,22 @@ def test_attention_of_one_query_equals_the_full_pass_and_the_reference():
     torch.testing.assert_close(full, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_lora_adapters_keep_the_bits_equal():
+    """Exact mode runs the module's own code, LoRA adapters (peft) included: the engine generates through them and the
+    trainer scores through them, bit for bit."""
+    from trainers.config import LoraConfig
+    from trainers.lora import add_lora
+
+    model = add_lora(build(seed=4), LoraConfig(rank=4, alpha=8.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: the adapters would change nothing
+            torch.nn.init.normal_(p, std=0.02)
+    model.eval()
+    prompts = prompts_of(6, seed=3)
+    turns, _ = generate(model, prompts, params_of(len(prompts)), exact=True, max_batch_size=4)
+    assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), micros=(1, 100))
+
+
 # --------------------------------------------------------------------------------------------- guard and settings
 def test_a_mismatch_in_exact_mode_is_counted_and_logged(model, caplog):
     prompts = prompts_of(3, seed=6)
