@@ -48,9 +48,22 @@ COMPILE_WORKERS_STOP_S = 5.0
 #: Inductor's cache (compiled graphs, kernels) when ``TORCHINDUCTOR_CACHE_DIR`` is not set: a folder that outlives
 #: a reboot, where Inductor's default is under /tmp (as vLLM keeps its compile cache under ~/.cache)
 CACHE_DIR = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mt_env", "inductor")
-# set on import: torch fixes its default when torch._dynamo is first imported (a process that imported it before
-# keeps torch's choice)
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", CACHE_DIR)
+
+
+def _use_persistent_cache() -> None:
+    """`CACHE_DIR` as Inductor's cache unless ``TORCHINDUCTOR_CACHE_DIR`` is set or the folder could not be made
+    (an unwritable home keeps torch's default). Run on import: torch fixes its default when torch._dynamo is first
+    imported (a process that imported it before keeps torch's choice)."""
+    if "TORCHINDUCTOR_CACHE_DIR" in os.environ:
+        return
+    parent = CACHE_DIR
+    while not os.path.exists(parent) and os.path.dirname(parent) != parent:
+        parent = os.path.dirname(parent)
+    if os.path.isdir(parent) and os.access(parent, os.W_OK):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = CACHE_DIR
+
+
+_use_persistent_cache()
 
 
 def _inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:

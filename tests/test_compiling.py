@@ -47,7 +47,8 @@ def test_a_float_attribute_compiles_once_without_a_restarted_attempt(caplog):
 
 def test_inductor_keeps_its_cache_where_a_reboot_leaves_it(tmp_path):
     """Inductor's compiled graphs and kernels go to ~/.cache/mt_env/inductor (XDG_CACHE_HOME honoured) unless
-    TORCHINDUCTOR_CACHE_DIR says otherwise: a later run on the machine skips most compilation."""
+    TORCHINDUCTOR_CACHE_DIR says otherwise (a later run on the machine skips most compilation), or torch's default
+    when that folder cannot be made."""
     probe = ("import agents.compiling, torch._dynamo; from torch._inductor.runtime.cache_dir_utils import cache_dir; "
              "print(cache_dir())")
     env = {k: v for k, v in subprocess_env(XDG_CACHE_HOME=str(tmp_path)).items() if k != "TORCHINDUCTOR_CACHE_DIR"}
@@ -57,3 +58,8 @@ def test_inductor_keeps_its_cache_where_a_reboot_leaves_it(tmp_path):
     run = subprocess.run([sys.executable, "-c", probe], env=env | {"TORCHINDUCTOR_CACHE_DIR": str(chosen)},
                          capture_output=True, text=True, check=True)
     assert run.stdout.strip() == str(chosen)
+    blocked = tmp_path / "a-file"  # a cache folder that cannot be made: torch's own default
+    blocked.write_text("")
+    run = subprocess.run([sys.executable, "-c", probe], env=env | {"XDG_CACHE_HOME": str(blocked / "cache")},
+                         capture_output=True, text=True, check=True)
+    assert "torchinductor_" in run.stdout
