@@ -102,14 +102,8 @@ def collate(samples: Sequence[Sample], pad_token_id: int) -> TrainBatch:
 
 
 def _tensor(values: Sequence, dtype: torch.dtype) -> torch.Tensor:
-    """Per-token values as a tensor: a typed array of int64 or doubles read as its buffer, any other sequence (a
-    list, an array of another type) value by value."""
-    if isinstance(values, array) and values.typecode in _ARRAY_DTYPES and len(values):
-        return torch.frombuffer(values, dtype=_ARRAY_DTYPES[values.typecode]).to(dtype)
+    """Per-token values (a list, or a typed array set by hand) as a tensor."""
     return torch.tensor(list(values) if isinstance(values, array) else values, dtype=dtype)
-
-
-_ARRAY_DTYPES = {"q": torch.int64, "d": torch.float64}
 
 
 def _or_zeros(rewards: Sequence[float] | None, n: int) -> Sequence[float]:
