@@ -22,6 +22,10 @@ import triton.language as tl
 BLOCK_N = 64
 #: programs a step should keep busy at least (about two per multiprocessor of an H100/H200)
 TARGET_PROGRAMS = 264
+#: launch options (num_warps, num_stages) of the decode and prefill kernels; empty: Triton's defaults
+#: (benchmarks/bench_attention.py measures alternatives)
+DECODE_OPTIONS: dict = {}
+PREFILL_OPTIONS: dict = {}
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -151,7 +155,8 @@ def paged_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1), table.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1), scale,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), DIM=dim, BLOCK=BLOCK_N,
-        BLOCK_SIZE=block_size, SPLIT=per_split, IEEE=q.dtype == torch.float32, BOUNDED=_INTERPRETED)
+        BLOCK_SIZE=block_size, SPLIT=per_split, IEEE=q.dtype == torch.float32, BOUNDED=_INTERPRETED,
+        **DECODE_OPTIONS)
     weights = torch.softmax(lse, dim=-1)  # each split's share: exp(lse_s) / sum(exp(lse)); empty splits get 0
     return (out * weights[..., None]).sum(dim=2).to(q.dtype)
 
@@ -184,7 +189,8 @@ def paged_prefill_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.T
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
         table.stride(0), out.stride(0), out.stride(1), out.stride(2), scale,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, DIM=dim, BLOCK=BLOCK_N, BLOCK_SIZE=block_size,
-        IEEE=q.dtype == torch.float32, BOUNDED=_INTERPRETED, MAX_READ=max_read if _INTERPRETED else 0)
+        IEEE=q.dtype == torch.float32, BOUNDED=_INTERPRETED, MAX_READ=max_read if _INTERPRETED else 0,
+        **PREFILL_OPTIONS)
     return out
 
 
