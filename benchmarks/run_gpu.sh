@@ -70,7 +70,8 @@ case "${1:-}" in
       --new-tokens 128 --env-processes 8 --repeats 5 2>&1 | grep -v "Warn\|warn" | tail -24
     echo "bench_rollout rc=${PIPESTATUS[0]}" ;;
   step1)  # the first step of a process compiles the trainer's scoring function (~60 s on a fresh machine)
-    timeout 300 python3 benchmarks/bench_rl_step.py 2>&1 | tail -9; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
+    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=16384 \
+      2>&1 | tail -12; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
   update)
     timeout 200 python3 benchmarks/bench_update.py --device cuda 2>&1 | tail -9
     echo "bench_update rc=${PIPESTATUS[0]}" ;;

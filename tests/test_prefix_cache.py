@@ -136,11 +136,14 @@ def test_the_last_block_released_is_evicted_before_the_ones_it_follows():
 # ------------------------------------------------------------------------------------------------- admission
 @settings(max_examples=200)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40), running=st.integers(0, 8),
-       budget=st.integers(16, 2000), blocks=st.integers(20, 400))
+       budget=st.integers(16, 2000), blocks=st.integers(20, 400), floor=st.sampled_from([16, 64, 4096]))
 def test_a_prefill_pass_admits_shortest_first_within_the_budget_and_leaves_growth_room(lengths, running, budget,
-                                                                                       blocks):
-    old = knobs.PREFILL_TOKENS
-    knobs.PREFILL_TOKENS = budget
+                                                                                       blocks, floor):
+    """Sequences of one repeated token, so that each finds a prefix cached by those admitted before it: a pass
+    admits at least one, in order of length, within the budget, leaving a growth block per row, its rows' widths
+    (new tokens, padded alone) within twice the narrowest (rows narrower than `floor` counted as that wide)."""
+    old = knobs.PREFILL_TOKENS, knobs.PREFILL_WIDTH_FLOOR
+    knobs.PREFILL_TOKENS, knobs.PREFILL_WIDTH_FLOOR = budget, floor
     try:
         pool = BlockPool(blocks, 4)
         scheduler = Scheduler(pool, max_seqs=48, max_context_len=4096, stats=new_stats())
@@ -153,7 +156,7 @@ def test_a_prefill_pass_admits_shortest_first_within_the_budget_and_leaves_growt
         held_before = pool.held
         prefill = scheduler.admit()
     finally:
-        knobs.PREFILL_TOKENS = old
+        knobs.PREFILL_TOKENS, knobs.PREFILL_WIDTH_FLOOR = old
     admitted = [] if prefill is None else prefill.seqs
     failed = [s for s in scheduler.take_finished()]
     assert all(pool.blocks_for(s.length) + 1 > blocks - 1 for s in failed)  # only those that could never run
@@ -161,6 +164,10 @@ def test_a_prefill_pass_admits_shortest_first_within_the_budget_and_leaves_growt
     if admitted:
         widths = [-(-(s.length - s.cached) // 16) * 16 for s in admitted]
         assert len(admitted) == 1 or len(admitted) * max(widths) <= budget
+        assert max(widths) <= knobs.PREFILL_WIDTH_RATIO * max(min(widths), floor)
+        waiting_fits = [s for s in scheduler.waiting if pool.blocks_for(s.length) + 1 <= blocks - 1]
+        assert admitted or not waiting_fits or pool.available < running + 1 + pool.blocks_for(
+            min(s.length for s in waiting_fits))  # nothing admitted: only for want of blocks
         assert pool.available >= running + len(admitted)  # a block of growth for every row
         assert sorted(s.length for s in admitted) == [s.length for s in admitted]
     assert pool.held - held_before == len({b for s in admitted for b in s.blocks})
@@ -219,6 +226,26 @@ def test_a_groups_prompt_is_computed_once_in_one_pass(model):
     assert stats["prefill_passes"] == 1
     assert stats["prefilled_tokens"] == 37 + 7 * (37 - 36) and stats["cached_tokens"] == 7 * 36
     assert sorted(g.meta["cached_tokens"] for g in gens) == [0] + [36] * 7
+
+
+def test_a_long_group_prompt_goes_first_and_its_members_follow_in_a_narrow_pass(model, monkeypatch):
+    """Eight samples of one 37-token prompt, with no floor under a row's width: the first computes the prompt (48
+    wide); the others, one new token each (16 wide), would pad to 48 in its pass: they follow in a pass 16 wide.
+    The tokens are those of the cache off."""
+    monkeypatch.setattr(knobs, "PREFILL_WIDTH_FLOOR", 16)
+
+    async def main(prefix_cache):
+        async with HFBackend(model, max_batch_size=8, gather_window_s=0.2, block_size=4, prefix_cache=prefix_cache,
+                             **FAST) as backend:
+            params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(8)]
+            gens = await asyncio.gather(*(backend.generate(PROMPTS[0][:37], p) for p in params))
+            return gens, dict(backend.stats)
+
+    gens, stats = run(main(True))
+    off, _ = run(main(False))
+    assert stats["prefill_passes"] == 2 and stats["prefill_padded_tokens"] == 48 + 7 * 16
+    assert stats["prefilled_tokens"] == 37 + 7 and stats["cached_tokens"] == 7 * 36
+    assert [g.ids for g in gens] == [g.ids for g in off]
 
 
 def test_new_weights_drop_the_cached_prefixes():

@@ -10,6 +10,11 @@ from dataclasses import dataclass
 
 #: most padded tokens (rows x widest new part) per prefill pass: bounds the activations of one pass
 PREFILL_TOKENS = 32768
+#: a prefill pass takes rows whose widths (new tokens) are within this ratio, those narrower than the floor counted as
+#: that wide; the others wait for a pass of their own (a group's members, whose prompt the first member computes, go
+#: in a later pass a few tokens wide instead of padded to the prompt's width)
+PREFILL_WIDTH_RATIO = 2
+PREFILL_WIDTH_FLOOR = 64
 #: a prefill pass's width is padded to a multiple of this, so that passes come in fewer shapes
 PREFILL_WIDTH_STEP = 16
 #: a prefill pass of at most this many rows and `PREFILL_GRAPH_TOKENS` padded tokens replays a CUDA graph

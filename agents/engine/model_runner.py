@@ -34,8 +34,9 @@ from .layout import DecoderLayout, kv_dtype, module_device
 from .sampler import RowSampling, cdf_dtype, sample_tokens, to_device
 
 #: the counters a `ModelRunner` adds to its engine's stats
-RUNNER_COUNTERS = ("graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps", "prefill_graph_captures",
-                   "prefill_graph_replays", "module_reallocations", "compilations", "compile_s", "capture_failures")
+RUNNER_COUNTERS = ("prefill_padded_tokens", "graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps",
+                   "prefill_graph_captures", "prefill_graph_replays", "module_reallocations", "compilations", "compile_s",
+                   "capture_failures")
 
 
 @dataclass
@@ -283,6 +284,7 @@ class ModelRunner:
         key = prefill_graph_key(len(rows), width, read, self.max_context_len) if self._capturing() else None
         if key is not None:
             width, read = key[1], key[2]
+        self.stats["prefill_padded_tokens"] += len(rows) * width
         columns = max(len(r.blocks) for r in rows)  # the rest of each row's table is null (see `free`)
         table = to_device([list(r.blocks) + [NULL_BLOCK] * (columns - len(r.blocks)) for r in rows], torch.int32,
                           device)

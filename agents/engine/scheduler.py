@@ -5,9 +5,10 @@ preempted when blocks run out, and which slot each running sequence holds.
 The scheduler owns the waiting queue, the slot table and the block pool's holds; the model runner owns the
 device. Admission takes waiting sequences shortest first into free slots, within a pass budget
 (`config.PREFILL_TOKENS`, counted on the tokens each one must compute), keeping one free block per running row for
-their growth. A decode step that needs more blocks than are free preempts the newest running sequences: their
-blocks are released (full ones stay cached, so a readmission often finds them) and they wait at the front of the
-queue; readmitted, they prefill what they had and go on sampling where they stopped.
+their growth; a pass takes rows of similar widths (new tokens), the others wait for a pass of their own. A decode
+step that needs more blocks than are free preempts the newest running sequences: their blocks are released (full
+ones stay cached, so a readmission often finds them) and they wait at the front of the queue; readmitted, they
+prefill what they had and go on sampling where they stopped.
 """
 
 from __future__ import annotations
@@ -112,6 +113,13 @@ def one_prefill_pass_takes(rows: int, longest: int, max_context_len: int) -> boo
     return rows <= 1 or rows * prefill_width(longest, max_context_len) <= knobs.PREFILL_TOKENS
 
 
+def widths_match(narrowest: int, widest: int) -> bool:
+    """Whether rows whose own widths (new tokens, padded alone) range from `narrowest` to `widest` go in one prefill
+    pass: the widest at most `PREFILL_WIDTH_RATIO` times the narrowest, counting rows narrower than
+    `PREFILL_WIDTH_FLOOR` as that wide (a few narrow rows cost a pass's launches more than their padding)."""
+    return widest <= knobs.PREFILL_WIDTH_RATIO * max(narrowest, knobs.PREFILL_WIDTH_FLOOR)
+
+
 @dataclass(eq=False)
 class Prefill:
     """A prefill pass: sequences admitted into slots, with the blocks this pass allocated for them."""
@@ -156,15 +164,16 @@ class Scheduler:
     def admit(self) -> Prefill | None:
         """The next prefill pass: waiting sequences (shortest first) with the blocks they need — the cached prefix
         acquired, the rest allocated and its full prompt blocks registered at once, so that a later member of the
-        same group finds them (this pass writes them before any row reads them) — within the pass budget and
-        leaving a block of growth per running row; None when none can be admitted now."""
+        same group finds them (this pass writes them before any row reads them) — within the pass budget,
+        leaving a block of growth per running row, and passing over rows whose width does not match the pass's
+        (`widths_match`); None when none can be admitted now."""
         room = self.slots.free_count()
         if not self.waiting or room == 0:
             return None
         candidates = sorted(list(self.waiting)[:room], key=lambda seq: seq.length)
         admitted: list[Sequence] = []
         new_blocks: list[int] = []
-        widest = 0
+        widest, narrowest = 0, self.max_context_len
         for seq in candidates:
             tokens = seq.tokens
             cached = self.pool.match(tokens, seq.length - 1)
@@ -173,6 +182,8 @@ class Scheduler:
             width = prefill_width(seq.length - start - held, self.max_context_len)
             if admitted and (len(admitted) + 1) * max(widest, width) > knobs.PREFILL_TOKENS:
                 break
+            if admitted and not widths_match(min(narrowest, width), max(widest, width)):
+                continue  # it waits for a pass nearer its width
             needed = self.pool.blocks_for(seq.length) - len(cached) - bool(held)
             revived = sum(1 for block in cached if self.pool.refs[block] == 0) + bool(held)  # off the LRU
             reserve = self.slots.held_count() + len(admitted) + 1
@@ -190,7 +201,7 @@ class Scheduler:
             self.pool.register(seq.blocks, tokens, seq.length)
             new_blocks += fresh
             admitted.append(seq)
-            widest = max(widest, width)
+            widest, narrowest = max(widest, width), min(narrowest, width)
         if not admitted:
             return None
         chosen = set(admitted)
