@@ -119,9 +119,9 @@ def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int,
 
     wall, generated, stats, reason = asyncio.run(run())
     steps = max(1, stats["decode_passes"])
-    kept = ("prefill_passes", "prefill_padded_tokens", "decode_passes", "preemptions", "evictions", "graph_captures", "graph_replays",
-            "stand_in_replays", "uncaptured_steps", "prefill_graph_captures", "prefill_graph_replays", "compilations",
-            "compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
+    kept = ("prefill_passes", "prefill_padded_tokens", "decode_passes", "preemptions", "evictions", "graph_captures",
+            "graph_replays", "stand_in_replays", "uncaptured_steps", "prefill_graph_captures", "prefill_graph_replays",
+            "compilations", "compile_s", "busy_s", "gather_s", "prefill_s", "launch_s", "step_wait_s")
     period = stats["busy_s"] - stats["prefill_s"] - stats["gather_s"]
     return dict(tok_s=generated / wall, wall_s=wall, generated=generated, prefilled_tokens=stats["prefilled_tokens"],
                 cached_tokens=stats["cached_tokens"], decode_ms_per_step=period / steps * 1e3,

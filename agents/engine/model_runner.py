@@ -34,9 +34,9 @@ from .layout import DecoderLayout, kv_dtype, module_device
 from .sampler import RowSampling, cdf_dtype, sample_tokens, to_device
 
 #: the counters a `ModelRunner` adds to its engine's stats
-RUNNER_COUNTERS = ("prefill_padded_tokens", "graph_captures", "graph_replays", "stand_in_replays", "uncaptured_steps",
-                   "prefill_graph_captures", "prefill_graph_replays", "module_reallocations", "compilations", "compile_s",
-                   "capture_failures")
+RUNNER_COUNTERS = ("prefill_padded_tokens", "graph_captures", "graph_replays", "stand_in_replays",
+                   "uncaptured_steps", "prefill_graph_captures", "prefill_graph_replays", "module_reallocations",
+                   "compilations", "compile_s", "capture_failures")
 
 
 @dataclass
