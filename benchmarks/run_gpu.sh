@@ -18,6 +18,8 @@
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
 #   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (uncompiled), its
 #                                        #   mismatch at every step and its phases -> $EXP/rl_step_exact.json
+#   bash benchmarks/run_gpu.sh exact_matmul  # 1 GPU: exact mode's matmul alone at the 0.5B's weight shapes under
+#                                        #   several tiles, against cuBLAS (issue 28) -> $EXP/exact_matmul.json
 #   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
 #                                        #   agent rollout, the caching allocator off (issue 27) -> $EXP/sanitize.txt
 #   bash benchmarks/run_gpu.sh engine_check  # 1 GPU: greedy tokens of the engine against the transformers path
@@ -81,6 +83,9 @@ case "${1:-}" in
   exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes; compare with h200/rl_step's phases)
     timeout 560 python3 benchmarks/bench_rl_step.py --set rollout.exact_logprobs=true --steps 4 --warmup 1 \
       --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12; echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
+  exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
+    timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -60
+    echo "bench_exact_matmul rc=${PIPESTATUS[0]}" ;;
   sanitize)  # an experiment: memcheck sees out-of-bounds accesses only with the caching allocator off
     if ! command -v compute-sanitizer > /dev/null; then
       PATH=$PATH:/usr/local/cuda/bin
@@ -132,6 +137,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|exact_step|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|exact_step|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac

@@ -1,0 +1,84 @@
+"""Exact mode's matmul (`agents.triton_exact.matmul`) alone at Qwen2.5-0.5B's weight shapes, under several tile
+configurations, against `F.linear` (cuBLAS) — to choose a tile per weight shape (issue 28).
+
+A tile may depend on the weight's shape (N, K) and stay exact: the engine and the trainer multiply by the same weight,
+so they get the same tile; what must not change a row's bits is M, the number of rows in the call. For each
+configuration this script checks that too (the first rows' bits alone and among many), and times the decode shapes
+(M = 32, 256 rows) and a trainer micro-batch (M = 8,192) in microseconds, each call replayed in a CUDA graph.
+
+An experiment: what it decides goes to docs/exact.md, with the command.
+
+    python benchmarks/bench_exact_matmul.py --out /tmp/exact_matmul.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agents import triton_exact as te  # noqa: E402
+
+#: (name, N, K) of the 0.5B shape's weights: fused qkv, o, fused gate_up, down, the tied LM head
+WEIGHTS = [("qkv", 1152, 896), ("o", 896, 896), ("gate_up", 9728, 896), ("down", 896, 4864), ("lm_head", 151936, 896)]
+ROWS = [32, 256, 8192]
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried; the first is today's bf16 configuration
+CONFIGS = [(128, 128, 64, 8, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (64, 32, 64, 4, 4),
+           (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (16, 64, 64, 4, 4)]
+
+
+def _bench(fn) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1000.0  # microseconds
+
+
+def _invariant(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the first 3 rows' bits are the same alone, among 32 and among all of x."""
+    alone = te.matmul(x[:3].clone(), w)
+    return all(torch.equal(alone, te.matmul(x[:m].clone(), w)[:3]) for m in (32, len(x)))
+
+
+def weight(name: str, n: int, k: int, gen: torch.Generator) -> dict:
+    w = torch.randn(n, k, generator=gen, device="cuda").bfloat16() * k ** -0.5
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda").bfloat16() for m in ROWS}
+    out = dict(weight=name, n=n, k=k, cublas_us={m: _bench(lambda: F.linear(xs[m], w)) for m in ROWS}, configs=[])
+    print(f"{name} [{n}, {k}]: cuBLAS " + " ".join(f"M={m}: {us:8.1f} us" for m, us in out["cublas_us"].items()),
+          flush=True)
+    for cfg in CONFIGS:
+        te.MATMUL_CONFIGS[torch.bfloat16] = cfg
+        try:
+            us = {m: _bench(lambda: te.matmul(xs[m], w)) for m in ROWS}
+        except Exception as exc:  # a tile too large for the SM's shared memory: recorded, not fatal
+            out["configs"].append(dict(config=cfg, error=f"{type(exc).__name__}: {exc}"[:200]))
+            print(f"  {cfg}: {type(exc).__name__}", flush=True)
+            continue
+        row = dict(config=cfg, us=us, vs_cublas={m: us[m] / out["cublas_us"][m] for m in ROWS},
+                   invariant=_invariant(xs[ROWS[-1]], w))
+        out["configs"].append(row)
+        print(f"  {cfg}: " + " ".join(f"M={m}: {us[m]:8.1f} us ({row['vs_cublas'][m]:4.2f}x)" for m in ROWS)
+              + f"  rows invariant: {row['invariant']}", flush=True)
+    te.MATMUL_CONFIGS[torch.bfloat16] = CONFIGS[0]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", help="write the figures here (JSON)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_exact_matmul: needs CUDA (the kernels are timed on the GPU)")
+    gen = torch.Generator("cuda").manual_seed(0)
+    figures = dict(device=torch.cuda.get_device_name(), weights=[weight(*shape, gen) for shape in WEIGHTS])
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()
