@@ -104,12 +104,13 @@ async def play(backend: HFBackend, wl: Workload, vocab: int, seed: int) -> tuple
     return time.perf_counter() - start, generated
 
 
-def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int, profile: int = 0) -> dict:
+def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int, profile: int = 0,
+            cuda_graphs: bool = True) -> dict:
     """One setting of one workload: warm-up at the same shapes, then the measured run (its worker thread profiled,
     the `profile` costliest functions printed, when asked)."""
     async def run():
         async with HFBackend(model, max_batch_size=max_batch, seed=0, vocab_limit=vocab, fast_path=True,
-                            prefix_cache=prefix_cache) as backend:
+                            prefix_cache=prefix_cache, cuda_graphs=cuda_graphs) as backend:
             await play(backend, wl, vocab, seed=1)  # warm: compilations, graphs, the allocator's pools
             backend._engine.flush()  # (through the worker's queue would be the same: nothing runs now)
             _reset_peak()
@@ -159,8 +160,9 @@ def _worker_profiled(top: int):
 
 def run_synthetic(name: str, model, vocab: int, args) -> dict:
     wl = WORKLOADS[name].scaled(args.scale)
-    on = measure(model, wl, vocab, True, max_batch=wl.prompts * wl.samples, profile=args.profile)
-    off = measure(model, wl, vocab, False, max_batch=wl.prompts * wl.samples)
+    graphs = not args.no_cuda_graphs
+    on = measure(model, wl, vocab, True, max_batch=wl.prompts * wl.samples, profile=args.profile, cuda_graphs=graphs)
+    off = measure(model, wl, vocab, False, max_batch=wl.prompts * wl.samples, cuda_graphs=graphs)
     row = dict(workload=name, shape=dataclasses.asdict(wl), new_tokens=wl.new_tokens,
                tok_s_on=on["tok_s"], tok_s_off=off["tok_s"], speedup=on["tok_s"] / off["tok_s"],
                prefilled_tokens=on["prefilled_tokens"], prefilled_tokens_off=off["prefilled_tokens"],
@@ -273,6 +275,8 @@ def main() -> None:
     ap.add_argument("--serve-seqs", type=int, default=512, help="serve7b: sequences at once")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
                     help="profile the engine's worker thread in A and B with the cache on; print its N costliest calls")
+    ap.add_argument("--no-cuda-graphs", action="store_true",
+                    help="A and B: no CUDA graphs (compute-sanitizer with the caching allocator off: no capture then)")
     record.add_arguments(ap)
     args = ap.parse_args()
     rec = record.start(args, "agent", device=args.device)

@@ -54,9 +54,13 @@ def engine(request) -> dict:
     return PATHS[request.param]
 
 
+#: scales `run`'s timeout, for slow instrumented runs (compute-sanitizer: benchmarks/run_gpu.sh sanitize)
+TIMEOUT_SCALE = float(os.environ.get("MT_ENV_TEST_TIMEOUT_SCALE", "1"))
+
+
 def run(coro, timeout: float = 30):
     """Run `coro` with a timeout, so a hanging worker fails the test instead of blocking the suite."""
-    return asyncio.run(asyncio.wait_for(coro, timeout))
+    return asyncio.run(asyncio.wait_for(coro, timeout * TIMEOUT_SCALE))
 
 
 def passes(backend: HFBackend) -> int:
