@@ -168,7 +168,7 @@ def run_synthetic(name: str, model, vocab: int, args) -> dict:
                prefilled_tokens=on["prefilled_tokens"], prefilled_tokens_off=off["prefilled_tokens"],
                prefilled_vs_new=on["prefilled_tokens"] / wl.new_tokens, decode_ms_per_step=on["decode_ms_per_step"],
                peak_gib=on["peak_gib"], peak_gib_off=off["peak_gib"], on=on, off=off)
-    if args.device == "cuda":
+    if args.device == "cuda" and graphs:  # the floor is a CUDA graph of its own
         batch = wl.prompts * wl.samples
         row.update(floor_ms_per_step=floor_step_ms(SHAPE_0_5B, batch, wl.mean_context), floor_batch=batch,
                    floor_context=wl.mean_context)
