@@ -3,8 +3,9 @@ configurations, against `F.linear` (cuBLAS) — to choose a tile per weight shap
 
 A tile may depend on the weight's shape (N, K) and stay exact: the engine and the trainer multiply by the same weight,
 so they get the same tile; what must not change a row's bits is M, the number of rows in the call. For each
-configuration this script checks that too (the first rows' bits alone and among many), and times the decode shapes
-(M = 32, 256 rows) and a trainer micro-batch (M = 8,192) in microseconds, each call replayed in a CUDA graph.
+configuration this script checks that too (the first rows' bits alone and among many), and whether its bits equal
+today's configuration's (if tiles with the same BLOCK_K agree, the tile could follow M as well), and times the
+decode shapes (M = 32, 256 rows) and a trainer micro-batch (M = 8,192) in microseconds, each call in a CUDA graph.
 
 An experiment: what it decides goes to docs/exact.md, with the command.
 
@@ -45,25 +46,28 @@ def _invariant(x: torch.Tensor, w: torch.Tensor) -> bool:
     return all(torch.equal(alone, te.matmul(x[:m].clone(), w)[:3]) for m in (32, len(x)))
 
 
-def weight(name: str, n: int, k: int, gen: torch.Generator) -> dict:
+def weight(name: str, n: int, k: int, gen: torch.Generator, timed: bool = True) -> dict:
     w = torch.randn(n, k, generator=gen, device="cuda").bfloat16() * k ** -0.5
     xs = {m: torch.randn(m, k, generator=gen, device="cuda").bfloat16() for m in ROWS}
-    out = dict(weight=name, n=n, k=k, cublas_us={m: _bench(lambda: F.linear(xs[m], w)) for m in ROWS}, configs=[])
+    out = dict(weight=name, n=n, k=k, configs=[],
+               cublas_us={m: _bench(lambda: F.linear(xs[m], w)) for m in ROWS} if timed else {})
     print(f"{name} [{n}, {k}]: cuBLAS " + " ".join(f"M={m}: {us:8.1f} us" for m, us in out["cublas_us"].items()),
           flush=True)
+    today = te.matmul(xs[ROWS[1]], w)  # CONFIGS[0] is today's
     for cfg in CONFIGS:
         te.MATMUL_CONFIGS[torch.bfloat16] = cfg
         try:
-            us = {m: _bench(lambda: te.matmul(xs[m], w)) for m in ROWS}
+            same = torch.equal(te.matmul(xs[ROWS[1]], w), today)
+            us = {m: _bench(lambda: te.matmul(xs[m], w)) for m in ROWS} if timed else {}
         except Exception as exc:  # a tile too large for the SM's shared memory: recorded, not fatal
             out["configs"].append(dict(config=cfg, error=f"{type(exc).__name__}: {exc}"[:200]))
             print(f"  {cfg}: {type(exc).__name__}", flush=True)
             continue
-        row = dict(config=cfg, us=us, vs_cublas={m: us[m] / out["cublas_us"][m] for m in ROWS},
-                   invariant=_invariant(xs[ROWS[-1]], w))
+        row = dict(config=cfg, us=us, vs_cublas={m: us[m] / out["cublas_us"][m] for m in us},
+                   invariant=_invariant(xs[ROWS[-1]], w), same_bits_as_today=same)
         out["configs"].append(row)
-        print(f"  {cfg}: " + " ".join(f"M={m}: {us[m]:8.1f} us ({row['vs_cublas'][m]:4.2f}x)" for m in ROWS)
-              + f"  rows invariant: {row['invariant']}", flush=True)
+        print(f"  {cfg}: " + " ".join(f"M={m}: {us[m]:8.1f} us ({row['vs_cublas'][m]:4.2f}x)" for m in us)
+              + f"  rows invariant: {row['invariant']}, bits as today's: {same}", flush=True)
     te.MATMUL_CONFIGS[torch.bfloat16] = CONFIGS[0]
     return out
 
@@ -71,11 +75,13 @@ def weight(name: str, n: int, k: int, gen: torch.Generator) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the figures here (JSON)")
+    ap.add_argument("--bits-only", action="store_true", help="check the bits, time nothing")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_exact_matmul: needs CUDA (the kernels are timed on the GPU)")
     gen = torch.Generator("cuda").manual_seed(0)
-    figures = dict(device=torch.cuda.get_device_name(), weights=[weight(*shape, gen) for shape in WEIGHTS])
+    weights = [weight(*shape, gen, timed=not args.bits_only) for shape in WEIGHTS]
+    figures = dict(device=torch.cuda.get_device_name(), weights=weights)
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
 

@@ -107,10 +107,12 @@ def device_name(device: str, gpus: int = 1) -> str:
 
 
 def machine_name(device: str, gpus: int = 1) -> str:
-    """``cpu``, or the GPU's short name with the number of GPUs used: ``h200``, ``h200x2``."""
+    """``cpu``, or the GPU's short name (its model, the first word after the vendor) with the number of GPUs used:
+    ``h200``, ``h200x2``, ``h100`` for "NVIDIA H100 80GB HBM3"."""
     if device.startswith("cpu"):
         return "cpu"
-    short = re.sub(r"[^a-z0-9]+", "", re.sub(r"^nvidia\s*", "", device_name(device).lower())) or "gpu"
+    model = (re.sub(r"^nvidia\s*", "", device_name(device).lower()).split() or [""])[0]
+    short = re.sub(r"[^a-z0-9]+", "", model) or "gpu"
     return short if gpus == 1 else f"{short}x{gpus}"
 
 

@@ -120,6 +120,8 @@ def test_machine_names_say_the_gpu_and_how_many(monkeypatch):
     assert record.machine_name("cuda") == "h200" and record.machine_name("cuda", gpus=2) == "h200x2"
     assert record.device_name("cuda", gpus=2) == "2 x NVIDIA H200"
     assert record.machine_name("cpu", gpus=2) == "cpu"
+    monkeypatch.setattr(record, "gpu_names", lambda: ["NVIDIA H100 80GB HBM3"])
+    assert record.machine_name("cuda") == "h100"
 
 
 def test_the_commit_is_git_head_here():
