@@ -195,6 +195,29 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
                 micro_tokens=args.micro_tokens, compiled_layers=args.compile)
 
 
+def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
+    """The new path's update and old-logprob pass under torch.profiler (after warm-up): the `top` operations by
+    self device time, and how much of the wall time the device was busy. Prints; records nothing."""
+    from torch.profiler import ProfilerActivity, profile
+    if args.compile:
+        compile_layers(lm)
+    policy = PolicyModel(lm)
+    cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "trainer.packed=true", "algorithm.kl_mode=loss",
+                 "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", f"trainer.micro_batch_tokens={args.micro_tokens}")
+    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6), scheduler=None)
+    for name, fn in (("update", lambda: update(multi, models, accelerator, cfg, step=1)),
+                     ("old-logprob pass", lambda: score(multi, models, cfg))):
+        timed(fn, device, args.warmup, 1)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            wall = timed(fn, device, 0, 1)
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        events = prof.key_averages()
+        busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
+        say(f"\n[profile] {name}: {wall * 1e3:.0f} ms wall, device busy {busy * 1e3:.0f} ms")
+        say(events.table(sort_by=key, row_limit=top, max_name_column_width=70))
+
+
 # ================================================================================================== main
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -209,6 +232,8 @@ def main():
                     help="compile the new path's decoder layers (trainer.compile)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="only profile the new path's update and old-logprob pass: print the N costliest operations")
     record.add_arguments(ap)
     args = ap.parse_args()
     rec = record.start(args, "update", device=args.device)
@@ -228,6 +253,9 @@ def main():
     n_params = sum(p.numel() for p in lm.parameters())
     say(f"model: {args.model} (random init), {n_params / 1e6:.0f}M parameters, {lm.dtype}")
     figures.update(model=args.model, parameters=n_params)
+    if args.profile:
+        return profile_new(args, lm, device, accelerator, multi_turn_batch(args.batch * 4, lm.config.vocab_size, device),
+                           args.profile, say)
     figures.update(raw_vs_update(args, lm, device, accelerator, say))
     multi = multi_turn_batch(args.batch * 4, lm.config.vocab_size, device)
     figures.update(padded_vs_packed(args, lm, device, accelerator, multi, say))
