@@ -9,8 +9,9 @@
    false vs true (block-diagonal attention, no padding).
 4. Today vs new, on that multi-turn batch (packed): the update and the old-logprob pass (`trainers.ppo.score`) as
    before issue 29 (micro-batches of ``--micro`` rows, the LM head over all scored tokens of a micro-batch at once,
-   eager layers) and with its changes (micro-batches of ``--micro-tokens`` tokens, LM-head chunks of
-   `agents.logprobs.CHUNK_TOKENS`, decoder layers compiled: ``trainer.compile``). MFU = 6 x parameters x tokens /
+   eager layers, torch's AdamW) and with its changes (micro-batches of ``--micro-tokens`` tokens, LM-head chunks of
+   `agents.logprobs.CHUNK_TOKENS`, decoder layers compiled: ``trainer.compile``, and the trainer's `trainers.optim.AdamW`:
+   float32 masters of the bf16 weights, fused on CUDA). MFU = 6 x parameters x tokens /
    seconds / peak for the update (2 x ... for a forward pass), peak = the GPU's dense bf16 rate (`PEAK_TFLOPS`).
 
 Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded. Issue 29: the new update >= 2x today's.
@@ -38,6 +39,7 @@ from benchmarks import record  # noqa: E402
 from mt_env.batch import TrainBatch  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
+from trainers.optim import AdamW  # noqa: E402
 from trainers.ppo import Models, score, update  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -168,16 +170,16 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
     new_lm = copy.deepcopy(lm)
     if args.compile:
         compile_layers(new_lm)
-    paths = {"today": (PolicyModel(lm, logprob_chunk_tokens=None), []),
-             "new": (PolicyModel(new_lm), [f"trainer.micro_batch_tokens={args.micro_tokens}"])}
+    paths = {"today": (PolicyModel(lm, logprob_chunk_tokens=None), [], torch.optim.AdamW),
+             "new": (PolicyModel(new_lm), [f"trainer.micro_batch_tokens={args.micro_tokens}"], AdamW)}
     say(f"\n[today vs new] {len(multi)} episodes packed, {real:,} real tokens; today: micro-batches of {args.micro} "
         f"rows, full LM head, eager layers; new: {args.micro_tokens:,}-token micro-batches, LM-head chunks, "
         f"{'compiled' if args.compile else 'eager'} layers")
     out = {}
-    for name, (policy, knobs) in paths.items():
+    for name, (policy, knobs, optimizer) in paths.items():
         cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "trainer.packed=true", "algorithm.kl_mode=loss",
                      "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", *knobs)
-        models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6), scheduler=None)
+        models = Models(policy, optimizer(policy.parameters(), lr=1e-6), scheduler=None)
         t_update = timed(lambda: update(multi, models, accelerator, cfg, step=1), device, args.warmup, args.iters)
         t_score = timed(lambda: score(multi, models, cfg), device, args.warmup, args.iters)
         mfu = (lambda flops: None if peak is None else flops / peak)
@@ -204,7 +206,7 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
     policy = PolicyModel(lm)
     cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "trainer.packed=true", "algorithm.kl_mode=loss",
                  "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", f"trainer.micro_batch_tokens={args.micro_tokens}")
-    models = Models(policy, torch.optim.AdamW(policy.parameters(), lr=1e-6), scheduler=None)
+    models = Models(policy, AdamW(policy.parameters(), lr=1e-6), scheduler=None)
     for name, fn in (("update", lambda: update(multi, models, accelerator, cfg, step=1)),
                      ("old-logprob pass", lambda: score(multi, models, cfg))):
         timed(fn, device, args.warmup, 1)

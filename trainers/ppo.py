@@ -66,6 +66,7 @@ from trainers.distributed import (FullStateDict, across_processes, compile_total
                                   token_means)
 from trainers.lora import AdaptersOff, has_adapters
 from trainers.modeling import PolicyModel
+from trainers.optim import AdamW
 from trainers.recording import Recorder
 from trainers.rollouts import LocalRollouts, eval_metrics, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
@@ -286,13 +287,13 @@ def _trainable_models(cfg: Config, tokenizer, accelerator: Accelerator,
     uses_reference = trains and cfg.algorithm.kl_mode != "none" and cfg.algorithm.kl_coef > 0
     lora = has_adapters(lm)  # then the reference is the policy with its adapters off (`AdaptersOff`): no copy
     reference = PolicyModel(frozen_copy(lm), vocab_limit=len(tokenizer)) if uses_reference and not lora else None
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    optimizer = AdamW(policy.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(cfg))
     models = Models(*accelerator.prepare(policy, optimizer, scheduler))
     initialize_root(models.policy, accelerator.device)
     models.reference = AdaptersOff(models.policy) if uses_reference and lora else None
     if critic_model is not None:
-        critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
+        critic_optimizer = AdamW(critic_model.parameters(), lr=cfg.trainer.critic_lr)
         models.critic, models.critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)
     return models, reference
 

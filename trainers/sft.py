@@ -27,6 +27,7 @@ from mt_env.turn import ModelTurn
 
 from .algos import masked_mean
 from .checkpoints import RunState
+from .optim import AdamW
 from .stopping import StopRequested
 
 #: losses averaged in the log line and in ``sft/loss``
@@ -81,7 +82,7 @@ class WarmStart:
         self.cfg = sft_cfg
         self.seed = seed
         self.accelerator = accelerator
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=sft_cfg.lr)
+        self.optimizer = AdamW(policy.parameters(), lr=sft_cfg.lr)
         self.losses: list[float] = []  #: the last `LOSS_WINDOW` steps' losses
 
     def step(self, k: int) -> float:
