@@ -9,9 +9,9 @@
    false vs true (block-diagonal attention, no padding).
 4. Today vs new, on that multi-turn batch (packed): the update and the old-logprob pass (`trainers.ppo.score`) as
    before issue 29 (micro-batches of ``--micro`` rows, the LM head over all scored tokens of a micro-batch at once,
-   eager layers, torch's AdamW) and with its changes (micro-batches of ``--micro-tokens`` tokens, LM-head chunks of
-   `agents.logprobs.CHUNK_TOKENS`, decoder layers compiled: ``trainer.compile``, and the trainer's `trainers.optim.AdamW`:
-   float32 masters of the bf16 weights, fused on CUDA). MFU = 6 x parameters x tokens /
+   eager layers, torch's AdamW) and with its changes (micro-batches of ``--micro-tokens`` tokens, LM-head chunks
+   of `agents.logprobs.CHUNK_TOKENS`, decoder layers compiled: ``trainer.compile``, and the trainer's
+   `trainers.optim.AdamW`: float32 masters of the bf16 weights, fused on CUDA). MFU = 6 x parameters x tokens /
    seconds / peak for the update (2 x ... for a forward pass), peak = the GPU's dense bf16 rate (`PEAK_TFLOPS`).
 
 Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded. Issue 29: the new update >= 2x today's.
@@ -205,7 +205,8 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
         compile_layers(lm)
     policy = PolicyModel(lm)
     cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "trainer.packed=true", "algorithm.kl_mode=loss",
-                 "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", f"trainer.micro_batch_tokens={args.micro_tokens}")
+                 "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001",
+                 f"trainer.micro_batch_tokens={args.micro_tokens}")
     models = Models(policy, AdamW(policy.parameters(), lr=1e-6), scheduler=None)
     for name, fn in (("update", lambda: update(multi, models, accelerator, cfg, step=1)),
                      ("old-logprob pass", lambda: score(multi, models, cfg))):
