@@ -5,6 +5,7 @@ tokens as with the cache off), invalidation by new weights, eviction, and preemp
 from __future__ import annotations
 
 import asyncio
+import copy
 import random
 
 import pytest
@@ -64,6 +65,7 @@ def test_block_accounting_holds_whatever_the_order_of_admits_growth_forks_ends_a
     holders: dict[int, list[int]] = {}
     tokens: dict[int, list[int]] = {}
     content: dict[int, tuple] = {}  # block -> the tokens of its sequence up to its end (what its KV depends on)
+    indexed: dict[int, tuple] = {}  # sequence -> where its registration stands
     rng, next_id = random.Random(0), 0
     for op, pick, n in ops:
         live = sorted(holders)
@@ -84,7 +86,7 @@ def test_block_accounting_holds_whatever_the_order_of_admits_growth_forks_ends_a
             if held:
                 pool.take(partial)
             blocks = cached + ([partial] if held else []) + pool.allocate(needed)
-            pool.register(blocks, ids, len(ids))
+            indexed[next_id] = _register_checked(pool, blocks, ids, len(ids), False, pool.chain_after(cached))
             for i, block in enumerate(blocks[:len(ids) // block_size]):
                 content[block] = tuple(ids[:(i + 1) * block_size])  # a matched block's is the same
             holders[next_id], tokens[next_id] = blocks, ids
@@ -99,7 +101,7 @@ def test_block_accounting_holds_whatever_the_order_of_admits_growth_forks_ends_a
             tokens[seq].append(rng.randrange(vocab))
         elif op == "end" and live:
             seq = live[pick % len(live)]
-            pool.register(holders[seq], tokens[seq], len(tokens[seq]), partial=True)
+            _register_checked(pool, holders[seq], tokens[seq], len(tokens[seq]), True, indexed.pop(seq))
             for i, block in enumerate(holders[seq][:-(-len(tokens[seq]) // block_size)]):
                 if pool.key[block] is not None:
                     content[block] = tuple(tokens[seq][:(i + 1) * block_size])
@@ -114,6 +116,48 @@ def test_block_accounting_holds_whatever_the_order_of_admits_growth_forks_ends_a
         pool.release(holders.pop(seq))
     check_pool(pool, holders)
     assert pool.held == 0
+
+
+def _register_checked(pool: BlockPool, blocks, tokens, written, partial, start):
+    """`pool.register` from `start`, checked against registering the whole sequence on a copy of the pool (or, for
+    a chain begun before a flush, against registering nothing)."""
+    whole = copy.deepcopy(pool)
+    if start[0] == pool.epoch:
+        whole.register(blocks, tokens, written, partial)
+    point = pool.register(blocks, tokens, written, partial, start)
+    assert pool.index == whole.index and pool.key == whole.key
+    return point
+
+
+class _CountingIndex(dict):
+    lookups = 0
+
+    def get(self, key, default=None):
+        self.lookups += 1
+        return super().get(key, default)
+
+
+def test_registering_a_turn_costs_its_new_blocks_not_the_conversation():
+    """A conversation of `turns` turns, each admitted after its cached prefix (prompt blocks registered), then
+    generating and released (the rest registered): the last turn's registration looks up its own blocks, however
+    long the conversation before it (registering from scratch would look up every block of it)."""
+    def last_turn_lookups(turns: int) -> int:
+        pool, tokens = BlockPool(4096, 4), []
+        pool.index = _CountingIndex()
+        for turn in range(turns):
+            tokens += [turn * 100 + i for i in range(30)]  # the turn's observation, then 30 generated tokens
+            cached = pool.match(tokens, len(tokens) - 1)
+            pool.acquire(cached)
+            blocks = cached + pool.allocate(pool.blocks_for(len(tokens) + 30) - len(cached))
+            before = pool.index.lookups
+            point = pool.register(blocks, tokens, len(tokens), start=pool.chain_after(cached))
+            tokens += [turn * 100 + 50 + i for i in range(30)]
+            pool.register(blocks, tokens, len(tokens), partial=True, start=point)
+            registering = pool.index.lookups - before
+            pool.release(blocks)
+        return registering
+
+    assert last_turn_lookups(16) == last_turn_lookups(4) <= 16  # 60 new tokens: 15 blocks, and a partial one
 
 
 def test_releasing_a_block_not_held_is_an_error():

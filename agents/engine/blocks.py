@@ -19,7 +19,10 @@ from collections.abc import Sequence
 #: the block that padding positions write to; never held by a sequence
 NULL_BLOCK = 0
 
-BlockKey = tuple  # (predecessor identity or None, token ids)
+Identity = tuple[int, int]  #: a block's (id, incarnation): what its successors' keys name
+BlockKey = tuple  #: (predecessor identity or None, token ids)
+#: how far a sequence's blocks are registered: (the pool's epoch then, blocks registered, the identity the next chains to)
+ChainPoint = tuple[int, int, "Identity | None"]
 
 
 class BlockPool:
@@ -42,6 +45,7 @@ class BlockPool:
         self._free: deque[int] = deque(range(1, num_blocks))
         self._cached: OrderedDict[int, None] = OrderedDict()  # least recently released first
         self.evictions = 0
+        self.epoch = 0  #: flushes so far: a sequence admitted before the last one registers nothing more
 
     # ------------------------------------------------------------------------------------------ counts
     @property
@@ -73,7 +77,7 @@ class BlockPool:
             if block is None:
                 break
             found.append(block)
-            parent = (block, self.incarnation[block])
+            parent = self.identity(block)
         return found
 
     def match_partial(self, tokens: Sequence[int], parent: int | None, start: int, limit: int) -> tuple[int, int]:
@@ -82,35 +86,50 @@ class BlockPool:
         it holds), or (0, 0). Only unreferenced blocks qualify: the caller takes it over (`take`) and writes on."""
         if not self.prefix_cache:
             return NULL_BLOCK, 0
-        ident = None if parent is None else (parent, self.incarnation[parent])
+        ident = None if parent is None else self.identity(parent)
         for n in range(min(self.block_size - 1, limit - start), 0, -1):
             block = self.index.get((ident, tuple(tokens[start:start + n])))
             if block is not None and self.refs[block] == 0:
                 return block, n
         return NULL_BLOCK, 0
 
-    def register(self, blocks: Sequence[int], tokens: Sequence[int], written: int, partial: bool = False) -> None:
+    def identity(self, block: int) -> Identity:
+        """What a registered block's successors are keyed under: (block, incarnation)."""
+        return block, self.incarnation[block]
+
+    def chain_after(self, matched: Sequence[int]) -> ChainPoint:
+        """Where a sequence's chain stands once `match` found `matched` (its first blocks, registered already)."""
+        return self.epoch, len(matched), self.identity(matched[-1]) if matched else None
+
+    def register(self, blocks: Sequence[int], tokens: Sequence[int], written: int, partial: bool = False,
+                 start: ChainPoint | None = None) -> ChainPoint:
         """Register the full blocks among the first `written` positions of a sequence holding `blocks` for
         `tokens`; with `partial` (a sequence ending), also its last, partly written block, which a continuation
         of the same tokens can take over (`match_partial`). A block whose content is registered already (another
-        sequence's identical block) stays unregistered, and the chain continues through the registered one."""
-        if not self.prefix_cache:
-            return
-        bs, parent = self.block_size, None
+        sequence's identical block) stays unregistered, and the chain continues through the registered one.
+        `start`: where an earlier call (or `chain_after`) left this sequence's chain, None for nothing registered
+        yet; returns where this call leaves it. The work is the blocks after `start` (a turn's release registers
+        that turn's blocks, not the conversation's). A sequence whose chain began before a `clear` registers
+        nothing: its KV was computed with the weights the flush dropped."""
+        epoch, first, parent = start if start is not None else (self.epoch, 0, None)
+        if not self.prefix_cache or epoch != self.epoch:
+            return epoch, first, parent
+        bs = self.block_size
         full = min(written // bs, len(blocks))
-        for i in range(full):
+        for i in range(first, full):
             key = (parent, tuple(tokens[i * bs:(i + 1) * bs]))
             block = self.index.get(key)
             if block is None:
                 block = blocks[i]
                 if self.key[block] is not None:  # registered under another chain: leave it, stop here
-                    return
+                    return epoch, i, parent
                 self.index[key], self.key[block] = block, key
-            parent = (block, self.incarnation[block])
+            parent = self.identity(block)
         if partial and full < len(blocks) and written % bs and full == written // bs:
             block, key = blocks[full], (parent, tuple(tokens[full * bs:written]))
             if self.key[block] is None and self.refs[block] == 1 and key not in self.index:
                 self.index[key], self.key[block] = block, key
+        return epoch, max(first, full), parent
 
     def take(self, block: int) -> None:
         """Hold a cached partial block (from `match_partial`) to write on: it leaves the index and the LRU."""
@@ -126,9 +145,11 @@ class BlockPool:
             self._unregister(block)
 
     def clear(self) -> None:
-        """Unregister every block (new weights: no cached KV may be reused); cached blocks become free."""
+        """Unregister every block (new weights: no cached KV may be reused); cached blocks become free, and the
+        sequences holding blocks now register none later (`register`)."""
         for block in list(self.index.values()):
             self._unregister(block)
+        self.epoch += 1
 
     # ------------------------------------------------------------------------------------------ holding
     def acquire(self, blocks: Sequence[int]) -> None:

@@ -198,7 +198,7 @@ class Scheduler:
             fresh = self.pool.allocate(needed)
             seq.blocks = cached + ([partial] if held else []) + fresh
             seq.cached, seq.fed = start + held, seq.length
-            self.pool.register(seq.blocks, tokens, seq.length)
+            seq.indexed = self.pool.register(seq.blocks, tokens, seq.length, start=self.pool.chain_after(cached))
             new_blocks += fresh
             admitted.append(seq)
             widest, narrowest = max(widest, width), min(narrowest, width)
@@ -312,9 +312,9 @@ class Scheduler:
         slots = []
         for seq in seqs:
             if register:
-                self.pool.register(seq.blocks, seq.tokens, min(seq.fed, seq.length), partial=True)
+                self.pool.register(seq.blocks, seq.tokens, min(seq.fed, seq.length), partial=True, start=seq.indexed)
             self.pool.release(seq.blocks)
-            seq.blocks = []
+            seq.blocks, seq.indexed = [], None
             slots.append(seq.slot)
             seq.slot = None
             self._order.pop(seq, None)
