@@ -66,12 +66,14 @@ def test_block_accounting_holds_whatever_the_order_of_admits_growth_forks_ends_a
     tokens: dict[int, list[int]] = {}
     content: dict[int, tuple] = {}  # block -> the tokens of its sequence up to its end (what its KV depends on)
     indexed: dict[int, tuple] = {}  # sequence -> where its registration stands
+    matches: list[tuple[list[int], list]] = []  # (tokens, the identities their match found then)
     rng, next_id = random.Random(0), 0
     for op, pick, n in ops:
         live = sorted(holders)
         if op == "admit" or (op == "fork" and live):
             ids = [rng.randrange(vocab) for _ in range(n)] if op == "admit" else tokens[live[pick % len(live)]][:n]
             cached = pool.match(ids, len(ids) - 1)
+            matches.append((list(ids), [pool.identity(block) for block in cached]))
             for i, block in enumerate(cached):
                 assert content[block] == tuple(ids[:(i + 1) * block_size])
             start = len(cached) * block_size
@@ -112,6 +114,9 @@ def test_block_accounting_holds_whatever_the_order_of_admits_growth_forks_ends_a
             if pool.key[block] is None and pool.refs[block] == 0:
                 del content[block]
         check_pool(pool, holders)
+        if matches:  # an earlier match, taken as known now, finds what a fresh match finds
+            ids, known = matches[pick % len(matches)]
+            assert pool.match(ids, len(ids) - 1, known) == pool.match(ids, len(ids) - 1)
     for seq in list(holders):
         pool.release(holders.pop(seq))
     check_pool(pool, holders)
@@ -158,6 +163,23 @@ def test_registering_a_turn_costs_its_new_blocks_not_the_conversation():
         return registering
 
     assert last_turn_lookups(16) == last_turn_lookups(4) <= 16  # 60 new tokens: 15 blocks, and a partial one
+
+
+def test_a_known_match_whose_blocks_were_reused_is_not_taken():
+    """Blocks evicted and registered again for other tokens (a key again, a new incarnation): a match given the old
+    identities as known looks the tokens up instead of taking the blocks."""
+    pool = BlockPool(3, 2)  # two blocks
+    first, other = [1, 2, 3, 4, 5], [6, 7, 8, 9, 10]
+    blocks = pool.allocate(2)
+    pool.register(blocks, first, 5)
+    known = [pool.identity(block) for block in pool.match(first, 4)]
+    assert len(known) == 2
+    pool.release(blocks)
+    again = pool.allocate(2)  # both evicted, then written with other tokens and registered
+    pool.register(again, other, 5)
+    assert sorted(again) == sorted(blocks) and all(pool.key[block] is not None for block in again)
+    assert pool.match(first, 4, known) == pool.match(first, 4) == []
+    assert pool.match(other, 4, [pool.identity(block) for block in again]) == again
 
 
 def test_releasing_a_block_not_held_is_an_error():

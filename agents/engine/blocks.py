@@ -66,13 +66,20 @@ class BlockPool:
         return -(-positions // self.block_size)
 
     # ------------------------------------------------------------------------------------------ prefix index
-    def match(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def match(self, tokens: Sequence[int], limit: int, known: Sequence[Identity] = ()) -> list[int]:
         """The registered blocks holding the KV of the leading full blocks of `tokens`, within its first `limit`
-        tokens (nothing is acquired)."""
+        tokens (nothing is acquired). `known`: the identities an earlier match of the same tokens found; those still
+        registered as they were are taken without looking their tokens up (a sequence that waits is matched again
+        at every prefill pass)."""
         if not self.prefix_cache:
             return []
         bs, found, parent = self.block_size, [], None
-        for start in range(0, limit - bs + 1, bs):
+        for block, incarnation in known[:limit // bs]:
+            if self.incarnation[block] != incarnation or self.key[block] is None:  # unregistered since
+                break
+            found.append(block)
+            parent = block, incarnation
+        for start in range(len(found) * bs, limit - bs + 1, bs):
             block = self.index.get((parent, tuple(tokens[start:start + bs])))
             if block is None:
                 break

@@ -176,7 +176,8 @@ class Scheduler:
         widest, narrowest = 0, self.max_context_len
         for seq in candidates:
             tokens = seq.tokens
-            cached = self.pool.match(tokens, seq.length - 1)
+            cached = self.pool.match(tokens, seq.length - 1, seq.matched)
+            seq.matched = [self.pool.identity(block) for block in cached]
             start = len(cached) * self.pool.block_size
             partial, held = self.pool.match_partial(tokens, cached[-1] if cached else None, start, seq.length - 1)
             width = prefill_width(seq.length - start - held, self.max_context_len)

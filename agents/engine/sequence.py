@@ -33,6 +33,7 @@ class Sequence:
     started: float | None = None  #: `time.perf_counter()` at its first admission
     fed: int = 0  #: positions whose KV is written or being written
     cached: int = 0  #: prompt tokens found in the prefix cache at its (last) admission
+    matched: list = field(default_factory=list)  #: identities of the cached blocks its last `BlockPool.match` found
     indexed: tuple | None = None  #: how far its blocks are registered in the prefix index (`BlockPool.register`)
     preemptions: int = 0  #: times it was taken off the device for lack of KV blocks and queued again
     withdrawn: bool = False  #: its caller gave up on it (set from any thread): it leaves at the next step
