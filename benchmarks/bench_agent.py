@@ -13,7 +13,7 @@ Workloads (random-init model, every sequence generating exactly its tokens: no s
   tokens it held at its fullest.
 
 Per workload and setting: tok/s (generated), tokens prefilled, the workload's new tokens (prompts once, then the
-observations), decode ms per step and the same step's floor (`benchmarks/floor_step.py`, same process, at the
+observations), Python's garbage-collection pauses (``gc_s_on`` / ``gc_s_off``), decode ms per step and the same step's floor (`benchmarks/floor_step.py`, same process, at the
 workload's batch and mean context), peak GiB allocated. A decode step's figure is its period: the worker's busy
 seconds outside prefill passes and gathering, over its decode steps (the host's bookkeeping included: step t+1 is
 launched before step t is read, so launch + wait alone, ``decode_wait_ms_per_step``, undercounts a step by the host
@@ -114,11 +114,11 @@ def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int,
             await play(backend, wl, vocab, seed=1)  # warm: compilations, graphs, the allocator's pools
             backend._engine.flush()  # (through the worker's queue would be the same: nothing runs now)
             _reset_peak()
-            with counted(backend) as stats, _worker_profiled(profile):
+            with counted(backend) as stats, _worker_profiled(profile), _collections() as gc_pauses:
                 wall, generated = await play(backend, wl, vocab, seed=2)
-            return wall, generated, stats, backend.fast_path_reason
+            return wall, generated, stats, backend.fast_path_reason, gc_pauses
 
-    wall, generated, stats, reason = asyncio.run(run())
+    wall, generated, stats, reason, gc_pauses = asyncio.run(run())
     steps = max(1, stats["decode_passes"])
     kept = ("prefill_passes", "prefill_padded_tokens", "decode_passes", "preemptions", "evictions", "graph_captures",
             "graph_replays", "stand_in_replays", "uncaptured_steps", "prefill_graph_captures", "prefill_graph_replays",
@@ -128,7 +128,31 @@ def measure(model, wl: Workload, vocab: int, prefix_cache: bool, max_batch: int,
                 cached_tokens=stats["cached_tokens"], decode_ms_per_step=period / steps * 1e3,
                 decode_wait_ms_per_step=(stats["launch_s"] + stats["step_wait_s"]) / steps * 1e3,
                 rows_per_step=stats["decoded_rows"] / steps, peak_gib=_peak_gib(), engine=reason,
-                **{k: stats[k] for k in kept})
+                gc_pauses=gc_pauses, **{k: stats[k] for k in kept})
+
+
+@contextlib.contextmanager
+def _collections():
+    """Python's garbage collections inside the block, any thread's (a collection holds the GIL: the engine's
+    worker waits through it): {"gen<g>_n": count, "gen<g>_s": seconds} per generation, filled in when it ends."""
+    import gc
+
+    pauses: dict = {}
+    began = [0.0]
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+            return
+        gen = info["generation"]
+        pauses[f"gen{gen}_n"] = pauses.get(f"gen{gen}_n", 0) + 1
+        pauses[f"gen{gen}_s"] = pauses.get(f"gen{gen}_s", 0.0) + time.perf_counter() - began[0]
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
 
 
 @contextlib.contextmanager
@@ -167,7 +191,9 @@ def run_synthetic(name: str, model, vocab: int, args) -> dict:
                tok_s_on=on["tok_s"], tok_s_off=off["tok_s"], speedup=on["tok_s"] / off["tok_s"],
                prefilled_tokens=on["prefilled_tokens"], prefilled_tokens_off=off["prefilled_tokens"],
                prefilled_vs_new=on["prefilled_tokens"] / wl.new_tokens, decode_ms_per_step=on["decode_ms_per_step"],
-               peak_gib=on["peak_gib"], peak_gib_off=off["peak_gib"], on=on, off=off)
+               peak_gib=on["peak_gib"], peak_gib_off=off["peak_gib"],
+               gc_s_on=sum(v for k, v in on["gc_pauses"].items() if k.endswith("_s")),
+               gc_s_off=sum(v for k, v in off["gc_pauses"].items() if k.endswith("_s")), on=on, off=off)
     if args.device == "cuda" and graphs:  # the floor is a CUDA graph of its own
         batch = wl.prompts * wl.samples
         row.update(floor_ms_per_step=floor_step_ms(SHAPE_0_5B, batch, wl.mean_context), floor_batch=batch,
