@@ -2,6 +2,7 @@
 the masters."""
 
 import io
+import os
 
 import pytest
 import torch
@@ -103,3 +104,20 @@ def test_frozen_parameters_are_left_alone_and_a_closure_is_refused():
     assert not torch.equal(trained, torch.ones(4))
     with pytest.raises(ValueError, match="closure"):
         opt.step(lambda: 0.0)
+
+
+@pytest.mark.skipif(os.environ.get("MT_ENV_TEST_DEVICE") != "cuda" or not torch.cuda.is_available(),
+                    reason="the fused kernel needs CUDA (MT_ENV_TEST_DEVICE=cuda)")
+def test_on_cuda_the_fused_step_follows_the_float32_reference():
+    """On CUDA the masters are stepped by torch's fused Adam kernel: bf16 parameters end where a float32 AdamW on the
+    same GPU ends (to a few float32 ulps: the fused and foreach kernels round differently), and keep moving."""
+    init = (torch.randn(3, 4099, generator=torch.Generator().manual_seed(3)) * 0.02).bfloat16().cuda()
+    grads = [g.reshape(3, 4099).cuda() for g in _grads(200, 3 * 4099)]
+    reference = torch.nn.Parameter(init.float())
+    _run(torch.optim.AdamW, reference, grads, lr=1e-6, fused=True)
+    ours = torch.nn.Parameter(init.clone())
+    opt = _run(AdamW, ours, grads, lr=1e-6)
+    master = opt.state[ours]["master"]
+    assert master.is_cuda and master.dtype == torch.float32
+    torch.testing.assert_close(master, reference.detach(), rtol=1e-6, atol=1e-9)
+    assert (ours.detach() != init).float().mean().item() > 0.5
