@@ -5,10 +5,14 @@ Why kernels of our own: cuBLAS picks its algorithm, tile and split-K from the pr
 attention pick their split of the key axis from the batch and the lengths, so a row's bits depend on how many rows
 share its call. Batch invariance needs one configuration, fixed in the code, whatever the shapes of the call.
 
-* `matmul`: one tile configuration per input dtype (`MATMUL_CONFIGS`), never chosen from M; each program owns one
-  [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating in float32 (no split-K, no
-  autotune). An output element is accumulated in the same order by the same instructions wherever its row sits in
-  its tile (rows past M are masked zeros that feed no other row): a row's bits depend on its own values only.
+* `matmul`: each program owns one [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating
+  in float32 (no split-K, no autotune). An output element is accumulated in the same order by the same instructions
+  wherever its row sits in its tile (rows past M are masked zeros that feed no other row): a row's bits depend on its
+  own values only. The tile is fixed per dtype (`MATMUL_CONFIGS`), except that a bf16 call of at most `SMALL_M` rows
+  (decode) takes a smaller one (`SMALL_M_CONFIGS`) with the same BLOCK_K: the same order over K, and on the GPUs
+  measured the same bits (9 tiles with BLOCK_K = 64 agreed bit for bit at all 5 weight shapes of the 0.5B on an H200,
+  `bench_exact_matmul.py --bits-only`). That agreement is the MMA instructions' property, not the code's: it is
+  checked once per device (`_small_tile_agrees`) and the small tile is not used where it fails.
 * `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order with an online
   softmax in float32. A program holds `QUERY_BLOCK` (query, head) rows of one sequence and one KV head, each row's
   arithmetic its own (scores, max, sum, rescaling, output: per-row, in an order the fixed layout sets). It runs up to
@@ -31,9 +35,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `matmul` by input dtype: fixed, never a function of M
+#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `matmul` by input dtype
 MATMUL_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
                   torch.float32: (64, 64, 32, 4, 3)}
+#: the tile of a call of at most `SMALL_M` rows, where the large one leaves most of the GPU idle (decode: at 32 rows
+#: a 896-wide output is 7 programs of 128 x 128); its BLOCK_K must be the large tile's (docs/exact.md, "The matmul's
+#: tile": 2x faster at M = 32 on the 0.5B's qkv, o and down weights, H100)
+SMALL_M_CONFIGS = {torch.bfloat16: (64, 32, 64, 4, 4)}
+SMALL_M = 64
+assert all(cfg[2] == MATMUL_CONFIGS[dtype][2] for dtype, cfg in SMALL_M_CONFIGS.items())
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64
 #: (query, head) rows per attention program
@@ -99,13 +109,36 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     if K == 0:
         return out.zero_()
-    block_m, block_n, block_k, warps, stages = MATMUL_CONFIGS[x.dtype]
+    small = M <= SMALL_M and x.dtype in SMALL_M_CONFIGS and _small_tile_agrees(x.device, x.dtype)
+    return _launch(x, weight, out, SMALL_M_CONFIGS[x.dtype] if small else MATMUL_CONFIGS[x.dtype])
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: tuple) -> torch.Tensor:
+    (M, K), N = x.shape, weight.shape[0]
+    block_m, block_n, block_k, warps, stages = config
     grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
     _matmul_kernel[grid](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                          out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                          num_warps=warps, num_stages=stages)
     return out
+
+
+_AGREES: dict[tuple[str, int | None, torch.dtype], bool] = {}
+
+
+def _small_tile_agrees(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the small tile gives the large tile's bits on this device (checked once: a [64, 640] x [640, 160]
+    product of random values, 10 steps over K, both tiles). Where it does not, every call takes the large tile."""
+    key = (device.type, device.index, dtype)
+    if key not in _AGREES:
+        gen = torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(SMALL_M, 640, generator=gen, device=device).to(dtype)
+        w = torch.randn(160, 640, generator=gen, device=device).to(dtype)
+        small, large = (_launch(x, w, torch.empty(SMALL_M, 160, dtype=dtype, device=device), cfg)
+                        for cfg in (SMALL_M_CONFIGS[dtype], MATMUL_CONFIGS[dtype]))
+        _AGREES[key] = torch.equal(small, large)
+    return _AGREES[key]
 
 
 @triton.jit(do_not_specialize=["queries", "keys", "stride_ps"])

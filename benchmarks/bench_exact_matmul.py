@@ -53,9 +53,10 @@ def weight(name: str, n: int, k: int, gen: torch.Generator, timed: bool = True) 
                cublas_us={m: _bench(lambda: F.linear(xs[m], w)) for m in ROWS} if timed else {})
     print(f"{name} [{n}, {k}]: cuBLAS " + " ".join(f"M={m}: {us:8.1f} us" for m, us in out["cublas_us"].items()),
           flush=True)
-    today = te.matmul(xs[ROWS[1]], w)  # CONFIGS[0] is today's
-    for cfg in CONFIGS:
-        te.MATMUL_CONFIGS[torch.bfloat16] = cfg
+    today = te.matmul(xs[ROWS[1]], w)  # CONFIGS[0] is today's large-M tile (ROWS[1] > SMALL_M)
+    small_tile = te.SMALL_M_CONFIGS[torch.bfloat16]
+    for cfg in CONFIGS:  # each configuration for every M: the small-M tile too
+        te.MATMUL_CONFIGS[torch.bfloat16] = te.SMALL_M_CONFIGS[torch.bfloat16] = cfg
         try:
             same = torch.equal(te.matmul(xs[ROWS[1]], w), today)
             us = {m: _bench(lambda: te.matmul(xs[m], w)) for m in ROWS} if timed else {}
@@ -68,7 +69,7 @@ def weight(name: str, n: int, k: int, gen: torch.Generator, timed: bool = True) 
         out["configs"].append(row)
         print(f"  {cfg}: " + " ".join(f"M={m}: {us[m]:8.1f} us ({row['vs_cublas'][m]:4.2f}x)" for m in us)
               + f"  rows invariant: {row['invariant']}, bits as today's: {same}", flush=True)
-    te.MATMUL_CONFIGS[torch.bfloat16] = CONFIGS[0]
+    te.MATMUL_CONFIGS[torch.bfloat16], te.SMALL_M_CONFIGS[torch.bfloat16] = CONFIGS[0], small_tile
     return out
 
 

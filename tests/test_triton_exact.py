@@ -52,6 +52,46 @@ def test_matmul_rows_do_not_depend_on_the_row_count_or_their_place(m, picks, k, 
     torch.testing.assert_close(full.double(), expected, atol=TOLERANCE[dtype] * k ** 0.5, rtol=TOLERANCE[dtype])
 
 
+def test_matmul_takes_the_small_tile_for_few_rows_only_where_it_gives_the_same_bits(monkeypatch):
+    """A call of at most SMALL_M rows takes the small tile when this device's check found its bits equal to the large
+    tile's, the large tile otherwise; either way a row's bits are those it gets among many rows."""
+    dtype = DTYPES[-1]
+    large = triton_exact.MATMUL_CONFIGS[dtype]
+    small = (32, 32, large[2], 4, 3)
+    monkeypatch.setitem(triton_exact.SMALL_M_CONFIGS, dtype, small)
+    monkeypatch.setattr(triton_exact, "_AGREES", {})
+    used, launch = [], triton_exact._launch
+
+    def recorded(x, w, out, cfg):
+        used.append((len(x), cfg))
+        return launch(x, w, out, cfg)
+
+    monkeypatch.setattr(triton_exact, "_launch", recorded)
+    x, w = randn(100, 150, seed=3, dtype=dtype), randn(40, 150, seed=4, dtype=dtype)
+    full = triton_exact.matmul(x, w)
+    assert used[-1] == (100, large)
+    agrees = triton_exact._small_tile_agrees(x.device, dtype)
+    assert torch.equal(triton_exact.matmul(x[:5], w), full[:5])
+    assert used[-1] == (5, small if agrees else large)
+    key = next(iter(triton_exact._AGREES))
+    for forced in (False, True):
+        triton_exact._AGREES[key] = forced
+        triton_exact.matmul(x[:5], w)
+        assert used[-1] == (5, small if forced else large)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tiles on a GPU (MT_ENV_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("n, k", [(1152, 896), (896, 4864)])
+def test_matmul_rows_keep_their_bits_across_the_small_m_boundary_at_real_shapes(n, k):
+    """The 0.5B's qkv and down weights in bf16: 3 rows alone (the small tile), among SMALL_M and among 300 (the large
+    one) give the same bits, and on this GPU the small tile is in use."""
+    x, w = randn(300, k, seed=5, dtype=torch.bfloat16), randn(n, k, seed=6, dtype=torch.bfloat16) * k ** -0.5
+    alone = triton_exact.matmul(x[:3], w)
+    for m in (triton_exact.SMALL_M, triton_exact.SMALL_M + 1, 300):
+        assert torch.equal(triton_exact.matmul(x[:m], w)[:3], alone), m
+    assert triton_exact._small_tile_agrees(x.device, torch.bfloat16)
+
+
 def test_matmul_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="one dtype"):
         triton_exact.matmul(randn(4, 16, seed=0), randn(8, 16, seed=1, dtype=torch.float64))
