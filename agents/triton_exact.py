@@ -8,11 +8,9 @@ share its call. Batch invariance needs one configuration, fixed in the code, wha
 * `matmul`: each program owns one [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating
   in float32 (no split-K, no autotune). An output element is accumulated in the same order by the same instructions
   wherever its row sits in its tile (rows past M are masked zeros that feed no other row): a row's bits depend on its
-  own values only. The tile is fixed per dtype (`MATMUL_CONFIGS`), except that a bf16 call of at most `SMALL_M` rows
-  (decode) takes a smaller one (`SMALL_M_CONFIGS`) with the same BLOCK_K: the same order over K, and on the GPUs
-  measured the same bits (9 tiles with BLOCK_K = 64 agreed bit for bit at all 5 weight shapes of the 0.5B on an H200,
-  `bench_exact_matmul.py --bits-only`). That agreement is the MMA instructions' property, not the code's: it is
-  checked once per device (`_small_tile_agrees`) and the small tile is not used where it fails.
+  own values only. The tile is fixed per dtype (`MATMUL_CONFIGS`), but a bf16 call of at most `SMALL_M` rows takes
+  a smaller one with the same BLOCK_K (`SMALL_M_CONFIGS`): the same bits where the MMA instructions agree across tile
+  shapes (measured: docs/exact.md), checked once per device (`_small_tile_agrees`), the large tile where they differ.
 * `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order with an online
   softmax in float32. A program holds `QUERY_BLOCK` (query, head) rows of one sequence and one KV head, each row's
   arithmetic its own (scores, max, sum, rescaling, output: per-row, in an order the fixed layout sets). It runs up to
