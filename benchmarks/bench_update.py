@@ -110,7 +110,16 @@ def mt_env_step(policy, opt, accelerator, cfg, batch):
     update(batch, models, accelerator, cfg, step=1)
 
 
-def timed(fn, device, warmup, iters):
+def timed(fn, device, warmup, iters, calls: list | None = None):
+    """Mean seconds of `iters` calls of `fn` after `warmup` calls; with `calls`, every call's own seconds (warm-up
+    included, each call synchronised) are appended to it: a recompilation or an eager fallback shows there."""
+    if calls is not None:
+        for _ in range(warmup + iters):
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            calls.append(time.perf_counter() - t)
+        return sum(calls[warmup:]) / iters
     for _ in range(warmup):
         fn()
     sync(device)
@@ -180,14 +189,19 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
         cfg = recipe(args, f"trainer.minibatch_size={len(multi)}", "trainer.packed=true", "algorithm.kl_mode=loss",
                      "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", *knobs)
         models = Models(policy, optimizer(policy.parameters(), lr=1e-6), scheduler=None)
-        t_update = timed(lambda: update(multi, models, accelerator, cfg, step=1), device, args.warmup, args.iters)
-        t_score = timed(lambda: score(multi, models, cfg), device, args.warmup, args.iters)
+        update_calls, score_calls = [], []
+        t_update = timed(lambda: update(multi, models, accelerator, cfg, step=1), device, args.warmup, args.iters,
+                         update_calls)
+        t_score = timed(lambda: score(multi, models, cfg), device, args.warmup, args.iters, score_calls)
         mfu = (lambda flops: None if peak is None else flops / peak)
         out[name] = dict(update_tok_s=real / t_update, update_s=t_update, score_tok_s=real / t_score, score_s=t_score,
-                         update_mfu=mfu(6 * n_params * real / t_update), score_mfu=mfu(2 * n_params * real / t_score))
+                         update_mfu=mfu(6 * n_params * real / t_update), score_mfu=mfu(2 * n_params * real / t_score),
+                         update_calls_s=update_calls, score_calls_s=score_calls)
         fmt = (lambda x: "n/a" if x is None else f"{100 * x:.1f}%")
         say(f"  {name:<5}: update {real / t_update:>10,.0f} tok/s (MFU {fmt(out[name]['update_mfu'])}), old-logprob "
             f"pass {real / t_score:>10,.0f} tok/s (MFU {fmt(out[name]['score_mfu'])})")
+        say(f"         each call, warm-up first (ms): update {' '.join(f'{1e3 * s:.0f}' for s in update_calls)}; "
+            f"old-logprob pass {' '.join(f'{1e3 * s:.0f}' for s in score_calls)}")
         del models
     ratio = out["new"]["update_tok_s"] / out["today"]["update_tok_s"]
     ratio_score = out["new"]["score_tok_s"] / out["today"]["score_tok_s"]
