@@ -13,8 +13,9 @@ Workloads (random-init model, every sequence generating exactly its tokens: no s
   tokens it held at its fullest.
 
 Per workload and setting: tok/s (generated), tokens prefilled, the workload's new tokens (prompts once, then the
-observations), Python's garbage-collection pauses (``gc_s_on`` / ``gc_s_off``), decode ms per step and the same step's floor (`benchmarks/floor_step.py`, same process, at the
-workload's batch and mean context), peak GiB allocated. A decode step's figure is its period: the worker's busy
+observations), Python's garbage-collection pauses (``gc_s_on`` / ``gc_s_off``), decode ms per step and the same
+step's floor (`benchmarks/floor_step.py`, same process, at the workload's batch and mean context), peak GiB
+allocated. A decode step's figure is its period: the worker's busy
 seconds outside prefill passes and gathering, over its decode steps (the host's bookkeeping included: step t+1 is
 launched before step t is read, so launch + wait alone, ``decode_wait_ms_per_step``, undercounts a step by the host
 work it hides).
@@ -138,15 +139,16 @@ def _collections():
     import gc
 
     pauses: dict = {}
-    began = [0.0]
+    began = 0.0
 
     def note(phase: str, info: dict) -> None:
+        nonlocal began
         if phase == "start":
-            began[0] = time.perf_counter()
+            began = time.perf_counter()
             return
         gen = info["generation"]
         pauses[f"gen{gen}_n"] = pauses.get(f"gen{gen}_n", 0) + 1
-        pauses[f"gen{gen}_s"] = pauses.get(f"gen{gen}_s", 0.0) + time.perf_counter() - began[0]
+        pauses[f"gen{gen}_s"] = pauses.get(f"gen{gen}_s", 0.0) + time.perf_counter() - began
 
     gc.callbacks.append(note)
     try:

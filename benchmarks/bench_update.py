@@ -111,23 +111,17 @@ def mt_env_step(policy, opt, accelerator, cfg, batch):
 
 
 def timed(fn, device, warmup, iters, calls: list | None = None):
-    """Mean seconds of `iters` calls of `fn` after `warmup` calls; with `calls`, every call's own seconds (warm-up
-    included, each call synchronised) are appended to it: a recompilation or an eager fallback shows there."""
+    """Mean seconds of `iters` calls of `fn` after `warmup` calls, each call synchronised; with `calls`, every
+    call's own seconds (warm-up included) are appended to it: a recompilation or an eager fallback shows there."""
+    seconds = []
+    for _ in range(warmup + iters):
+        t = time.perf_counter()
+        fn()
+        sync(device)
+        seconds.append(time.perf_counter() - t)
     if calls is not None:
-        for _ in range(warmup + iters):
-            t = time.perf_counter()
-            fn()
-            sync(device)
-            calls.append(time.perf_counter() - t)
-        return sum(calls[warmup:]) / iters
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync(device)
-    return (time.perf_counter() - t) / iters
+        calls.extend(seconds)
+    return sum(seconds[warmup:]) / iters
 
 
 def recipe(args, *overrides):

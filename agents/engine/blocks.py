@@ -21,7 +21,8 @@ NULL_BLOCK = 0
 
 Identity = tuple[int, int]  #: a block's (id, incarnation): what its successors' keys name
 BlockKey = tuple  #: (predecessor identity or None, token ids)
-#: how far a sequence's blocks are registered: (the pool's epoch then, blocks registered, the identity the next chains to)
+#: how far a sequence's blocks are registered: (the pool's epoch then, blocks registered, the identity the next
+#: block chains to)
 ChainPoint = tuple[int, int, "Identity | None"]
 
 
