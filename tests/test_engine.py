@@ -840,6 +840,29 @@ def test_prefill_attention_never_allows_cudnn_and_decode_attention_is_torchs_cho
     assert torch.backends.cuda.cudnn_sdp_enabled() == cudnn_before  # restored after each call
 
 
+@given(rows=st.integers(1, 6), length=st.integers(1, 70), block_size=st.sampled_from([1, 4, 16]),
+       seed=st.integers(0, 2**16))
+def test_the_gather_decode_mask_is_a_view_whose_rows_are_padded_past_their_end(rows, length, block_size, seed):
+    """cuDNN's SDPA read 4 bytes past a [1, 1, 1, 11] bfloat16 mask under compute-sanitizer: the gather decode's
+    mask is the first `length` columns of rows `MASK_ALIGN` elements apart, and attention over it gives what a
+    contiguous mask gives."""
+    from agents.engine.attention import MASK_ALIGN, decode_attention, decode_inputs
+
+    gen = torch.Generator().manual_seed(seed)
+    at = torch.randint(0, length, (rows,), generator=gen)
+    table = torch.randperm(rows * -(-length // block_size), generator=gen).reshape(rows, -1)
+    read_at, mask = decode_inputs(table, at, length, block_size, "gather", torch.float32)
+    assert mask.shape == (rows, 1, 1, length) and mask.stride(-1) == 1 and mask.stride(0) % MASK_ALIGN == 0
+    assert mask.stride(0) >= length and mask.untyped_storage().nbytes() == rows * mask.stride(0) * 4
+    hidden = torch.arange(length)[None, :] > at[:, None]
+    assert torch.equal(mask[:, 0, 0], torch.zeros(rows, length).masked_fill(hidden, float("-inf")))
+    keys, values = (torch.randn(table.numel() * block_size, 2, 8, generator=gen) for _ in range(2))
+    q = torch.randn(rows, 4, 8, generator=gen)
+    got = decode_attention(q, keys, values, (read_at, mask), 8 ** -0.5, "gather")
+    expected = decode_attention(q, keys, values, (read_at, mask.contiguous()), 8 ** -0.5, "gather")
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
 @CPU_INDUCTOR
 def test_the_compiled_step_gives_the_eager_steps_output_with_one_compilation_for_all_layers_and_buckets(
         fresh_compilations, caplog):

@@ -25,6 +25,8 @@ KERNELS = ("gather", "triton", "exact")
 #: the SDPA kernels a prefill pass may use: torch's own choice except cuDNN, which builds an execution plan for every
 #: new (rows, width) shape while every decoding row waits (docs/engine.md). Flash attention has no such cost.
 PREFILL_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: a decode mask's row stride in elements (`decode_inputs`): 32 bytes in bf16, past any kernel's vector load
+MASK_ALIGN = 16
 
 
 def flat_positions(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -46,9 +48,13 @@ def decode_inputs(table: torch.Tensor, at: torch.Tensor, length: int, block_size
     positions = torch.arange(length, device=table.device)
     if kernel == "exact":
         return flat_positions(table, positions, block_size), at
-    hidden = (positions[None, :] > at[:, None])[:, None, None, :]
+    # the mask's rows are MASK_ALIGN elements apart and it is a view of their first `length`: cuDNN's SDPA reads a
+    # mask's last row past its end at odd lengths (memcheck, docs/engine.md); torch's memory-efficient kernel pads
+    # its bias the same way for its own loads
+    padded = torch.arange(-(-length // MASK_ALIGN) * MASK_ALIGN, device=table.device)
+    hidden = (padded[None, :] > at[:, None])[:, None, None, :]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=table.device).masked_fill_(hidden, float("-inf"))
-    return flat_positions(table, positions, block_size), mask
+    return flat_positions(table, positions, block_size), mask[..., :length]
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: tuple, scale: float,
