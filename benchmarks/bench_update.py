@@ -16,7 +16,8 @@
 
 Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded. Issue 29: the new update >= 2x today's.
 
-    python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b 
+    python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b
+    python benchmarks/bench_update.py --device cuda --also-micro-tokens 32768   # and the new path at 32k tokens too
     python benchmarks/bench_update.py --device cpu --model tiny --vocab 2000 --batch 2 --seq 128 --micro 2 \\
         --micro-tokens 4096 --iters 1 --warmup 1 --out /tmp/update_cpu.json                    # a CPU smoke run
 """
@@ -175,6 +176,8 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
         compile_layers(new_lm)
     paths = {"today": (PolicyModel(lm, logprob_chunk_tokens=None), [], torch.optim.AdamW),
              "new": (PolicyModel(new_lm), [f"trainer.micro_batch_tokens={args.micro_tokens}"], AdamW)}
+    for tokens in args.also_micro_tokens:  # the new path with other token micro-batches (same layers, own optimizer)
+        paths[f"new@{tokens}"] = (PolicyModel(new_lm), [f"trainer.micro_batch_tokens={tokens}"], AdamW)
     say(f"\n[today vs new] {len(multi)} episodes packed, {real:,} real tokens; today: micro-batches of {args.micro} "
         f"rows, full LM head, eager layers; new: {args.micro_tokens:,}-token micro-batches, LM-head chunks, "
         f"{'compiled' if args.compile else 'eager'} layers")
@@ -202,7 +205,8 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
     say(f"  new / today: update {ratio:.2f}x (goal >= 2x) {'PASS' if ratio >= 2 else 'FAIL'}, old-logprob pass "
         f"{ratio_score:.2f}x (goal >= 2x) {'PASS' if ratio_score >= 2 else 'FAIL'}")
     return dict(today_vs_new=out, new_vs_today_update=ratio, new_vs_today_score=ratio_score,
-                micro_tokens=args.micro_tokens, compiled_layers=args.compile)
+                micro_tokens=args.micro_tokens, compiled_layers=args.compile,
+                **({"also_micro_tokens": args.also_micro_tokens} if args.also_micro_tokens else {}))
 
 
 def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
@@ -239,6 +243,8 @@ def main():
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--micro", type=int, default=8, help="rows per micro-batch (today's path)")
     ap.add_argument("--micro-tokens", type=int, default=16384, help="tokens per micro-batch (the new path)")
+    ap.add_argument("--also-micro-tokens", type=int, nargs="*", default=[], metavar="N",
+                    help="time the new path again with each of these token micro-batches (`new@N` in the record)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                     help="compile the new path's decoder layers (trainer.compile)")
     ap.add_argument("--iters", type=int, default=5)
