@@ -104,8 +104,10 @@ case "${1:-}" in
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
   tests)
     timeout 500 python3 benchmarks/record.py cuda_tests --device cuda -- env MT_ENV_TEST_DEVICE=cuda python3 -m \
-      pytest tests/test_engine.py tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_backend_hf.py \
-      tests/test_algos.py -q \
+      pytest tests/test_engine.py tests/test_engine_memory_and_fallbacks.py tests/test_engine_sampler.py \
+      tests/test_engine_slots.py tests/test_engine_model_runner.py tests/test_engine_compiled_step.py \
+      tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_backend_hf.py \
+      tests/test_backend_hf_batching.py tests/test_backend_hf_failures.py tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   exact)  # exact mode (issue 28): the CUDA tests, then engine and trainer-pass throughput with it off and on
     MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py \

@@ -28,7 +28,7 @@ from trainers.config import Config, ConfigError, validate
 from trainers.modeling import PolicyModel, _exact_kwargs
 from trainers.ppo import Models, score
 
-from .test_backend_hf import DEVICE, one_cpu_thread  # noqa: F401  (one intra-op thread for tiny matmuls)
+from .backend_hf_fixtures import DEVICE, one_cpu_thread  # noqa: F401  (one intra-op thread for tiny matmuls)
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -20,7 +20,7 @@ from agents.engine.scheduler import Scheduler
 from agents.backend import GenerationError, SamplingParams
 from agents.hf_backend import HFBackend
 
-from .test_backend_hf import VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
+from .backend_hf_fixtures import VOCAB, greedy_by_hand, one_cpu_thread, run, tiny_model  # noqa: F401
 
 FAST = dict(fast_path=True, cuda_graphs=False, compile=False)
 

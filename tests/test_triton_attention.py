@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from agents.engine.attention import decode_attention, decode_inputs, prefill_attention, prefill_inputs
 
-from .test_backend_hf import DEVICE
+from .backend_hf_fixtures import DEVICE
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
 if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

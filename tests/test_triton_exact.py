@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from agents import exact
 
-from .test_backend_hf import DEVICE
+from .backend_hf_fixtures import DEVICE
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
 if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
