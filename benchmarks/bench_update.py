@@ -224,13 +224,59 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
                      ("old-logprob pass", lambda: score(multi, models, cfg))):
         timed(fn, device, args.warmup, 1)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=True) as prof:
             wall = timed(fn, device, 0, 1)
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         events = prof.key_averages()
         busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
         say(f"\n[profile] {name}: {wall * 1e3:.0f} ms wall, device busy {busy * 1e3:.0f} ms")
         say(events.table(sort_by=key, row_limit=top, max_name_column_width=70))
+        gaps, idle = idle_gaps(prof.events())
+        say(f"[profile] {name}: the device idle {idle / 1e3:.1f} ms between its kernels (gaps over {GAP_US} us), "
+            f"by what the host was launching when it went on (the innermost frame of this repository's code, op; "
+            f"Python stacks recorded: the host runs slower than unprofiled):")
+        for (frame, op), (us, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
+            say(f"  {us / 1e3:8.2f} ms in {n:5d} gaps  {frame}  {op}")
+
+
+#: device idle intervals shorter than this (microseconds) are launch latency, not waiting for the host
+GAP_US = 10.0
+
+
+def idle_gaps(events) -> tuple[dict, float]:
+    """Where the device waited for the host, from a profile's events: every interval between consecutive kernels
+    (in start order, across streams) longer than `GAP_US`, charged to the kernel that ended it, labelled by the host
+    op that launched that kernel and the innermost frame of this repository's code on the op's stack. Returns
+    ({(frame, op): [microseconds, gaps]}, microseconds in all)."""
+    from torch.autograd import DeviceType
+
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+    gaps: dict = {}
+    idle, end = 0.0, None
+    for k in kernels:
+        if end is not None and k.time_range.start - end > GAP_US:
+            op = ops.get(getattr(k, "linked_correlation_id", 0))
+            frame = op_frame(op)
+            label = (frame, op.name if op is not None else "?")
+            entry = gaps.setdefault(label, [0.0, 0])
+            entry[0] += k.time_range.start - end
+            entry[1] += 1
+            idle += k.time_range.start - end
+        end = k.time_range.end if end is None else max(end, k.time_range.end)
+    return gaps, idle
+
+
+def op_frame(op) -> str:
+    """The innermost frame of this repository's code (not torch's, not a library's) on `op`'s stack, or its
+    ancestors' where it has none."""
+    root = str(Path(__file__).resolve().parents[1])
+    while op is not None:
+        for entry in op.stack or []:
+            if root in entry and "site-packages" not in entry:
+                return entry.replace(root + "/", "")
+        op = op.cpu_parent
+    return "?"
 
 
 # ================================================================================================== main
