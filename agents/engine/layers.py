@@ -18,6 +18,7 @@ from torch import nn
 from . import attention
 from .attention import flat_positions
 
+
 def attention_inputs(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, apply_rope: Callable,
                      qk_norm: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Queries, keys (RoPE applied) and values, [rows, heads, time, head_dim], as the module's attention does."""
