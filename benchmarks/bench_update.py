@@ -227,11 +227,9 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
         with profile(activities=activities, with_stack=True) as prof:
             wall = timed(fn, device, 0, 1)
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        events = prof.key_averages()
-        busy = sum(getattr(e, "self_device_time_total", 0) for e in events) / 1e6
-        say(f"\n[profile] {name}: {wall * 1e3:.0f} ms wall, device busy {busy * 1e3:.0f} ms")
-        say(events.table(sort_by=key, row_limit=top, max_name_column_width=70))
-        gaps, idle = idle_gaps(prof.events())
+        gaps, idle, busy = idle_gaps(prof.events())
+        say(f"\n[profile] {name}: {wall * 1e3:.0f} ms wall, device busy {busy / 1e3:.0f} ms (its kernels' union)")
+        say(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70))
         say(f"[profile] {name}: the device idle {idle / 1e3:.1f} ms between its kernels (gaps over {GAP_US} us), "
             f"by what the host was launching when it went on (the innermost frame of this repository's code, op; "
             f"Python stacks recorded: the host runs slower than unprofiled):")
@@ -243,18 +241,21 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
 GAP_US = 10.0
 
 
-def idle_gaps(events) -> tuple[dict, float]:
+def idle_gaps(events) -> tuple[dict, float, float]:
     """Where the device waited for the host, from a profile's events: every interval between consecutive kernels
     (in start order, across streams) longer than `GAP_US`, charged to the kernel that ended it, labelled by the host
     op that launched that kernel and the innermost frame of this repository's code on the op's stack. Returns
-    ({(frame, op): [microseconds, gaps]}, microseconds in all)."""
+    ({(frame, op): [microseconds, gaps]}, microseconds in all, microseconds some kernel ran)."""
     from torch.autograd import DeviceType
 
     kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU}
+    # torch links a kernel to the op that launched it by the op's correlation id, and appends the kernel to that op's
+    # `kernels`; other host events (CUDA runtime calls, profiler bookkeeping) may carry the same id number
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
     gaps: dict = {}
-    idle, end = 0.0, None
+    idle, busy, end = 0.0, 0.0, None
     for k in kernels:
+        busy += max(0.0, k.time_range.end - max(k.time_range.start, end if end is not None else k.time_range.start))
         if end is not None and k.time_range.start - end > GAP_US:
             op = ops.get(getattr(k, "linked_correlation_id", 0))
             frame = op_frame(op)
@@ -264,7 +265,7 @@ def idle_gaps(events) -> tuple[dict, float]:
             entry[1] += 1
             idle += k.time_range.start - end
         end = k.time_range.end if end is None else max(end, k.time_range.end)
-    return gaps, idle
+    return gaps, idle, busy
 
 
 def op_frame(op) -> str:
