@@ -300,7 +300,7 @@ def main():
                     help="only profile the new path's update and old-logprob pass: print the N costliest operations")
     record.add_arguments(ap)
     args = ap.parse_args()
-    rec = record.start(args, "update", device=args.device)
+    rec = record.start(args, "update", device=args.device, tee=not args.profile)  # a profile records nothing
     device = torch.device(args.device)
     torch.manual_seed(0)
     accelerator = Accelerator(cpu=device.type == "cpu")
