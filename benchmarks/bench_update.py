@@ -205,8 +205,7 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
     say(f"  new / today: update {ratio:.2f}x (goal >= 2x) {'PASS' if ratio >= 2 else 'FAIL'}, old-logprob pass "
         f"{ratio_score:.2f}x (goal >= 2x) {'PASS' if ratio_score >= 2 else 'FAIL'}")
     return dict(today_vs_new=out, new_vs_today_update=ratio, new_vs_today_score=ratio_score,
-                micro_tokens=args.micro_tokens, compiled_layers=args.compile,
-                **({"also_micro_tokens": args.also_micro_tokens} if args.also_micro_tokens else {}))
+                micro_tokens=args.micro_tokens, also_micro_tokens=args.also_micro_tokens, compiled_layers=args.compile)
 
 
 def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:

@@ -45,16 +45,16 @@ def decode_inputs(table: torch.Tensor, at: torch.Tensor, length: int, block_size
     the flat positions and `at`."""
     if kernel == "triton":
         return table, at + 1, block_size, length
-    positions = torch.arange(length, device=table.device)
-    if kernel == "exact":
-        return flat_positions(table, positions, block_size), at
-    # the mask's rows are MASK_ALIGN elements apart and it is a view of their first `length`: cuDNN's SDPA reads a
-    # mask's last row past its end at odd lengths (memcheck, docs/engine.md); torch's memory-efficient kernel pads
-    # its bias the same way for its own loads
+    # the gather mask's rows are MASK_ALIGN elements apart and it is a view of their first `length`: cuDNN's SDPA
+    # reads a mask's last row past its end at odd lengths (memcheck, docs/engine.md); torch's memory-efficient
+    # kernel pads its bias the same way for its own loads
     padded = torch.arange(-(-length // MASK_ALIGN) * MASK_ALIGN, device=table.device)
+    read_at = flat_positions(table, padded[:length], block_size)
+    if kernel == "exact":
+        return read_at, at
     hidden = (padded[None, :] > at[:, None])[:, None, None, :]
     mask = torch.zeros(hidden.shape, dtype=dtype, device=table.device).masked_fill_(hidden, float("-inf"))
-    return flat_positions(table, positions, block_size), mask[..., :length]
+    return read_at, mask[..., :length]
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attend: tuple, scale: float,
