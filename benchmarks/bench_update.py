@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gzip
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from accelerate import Accelerator  # noqa: E402
 
-from benchmarks import record  # noqa: E402
+from benchmarks import record, trace_gaps  # noqa: E402
 from mt_env.batch import TrainBatch  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
@@ -210,7 +213,8 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
 
 def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
     """The new path's update and old-logprob pass under torch.profiler (after warm-up): the `top` operations by
-    self device time, and how much of the wall time the device was busy. Prints; records nothing."""
+    self device time, then where the device waited for the host (`trace_gaps`, from the exported trace, kept in
+    ``--trace-dir`` when given). Prints; records nothing."""
     from torch.profiler import ProfilerActivity, profile
     if args.compile:
         compile_layers(lm)
@@ -219,64 +223,25 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
                  "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001",
                  f"trainer.micro_batch_tokens={args.micro_tokens}")
     models = Models(policy, AdamW(policy.parameters(), lr=1e-6), scheduler=None)
+    traces = Path(args.trace_dir or tempfile.mkdtemp(prefix="update_traces_"))
+    traces.mkdir(parents=True, exist_ok=True)
     for name, fn in (("update", lambda: update(multi, models, accelerator, cfg, step=1)),
-                     ("old-logprob pass", lambda: score(multi, models, cfg))):
+                     ("score", lambda: score(multi, models, cfg))):
         timed(fn, device, args.warmup, 1)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities, with_stack=True) as prof:
             wall = timed(fn, device, 0, 1)
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        gaps, idle, busy = idle_gaps(prof.events())
-        say(f"\n[profile] {name}: {wall * 1e3:.0f} ms wall, device busy {busy / 1e3:.0f} ms (its kernels' union)")
+        say(f"\n[profile] {name}: {wall * 1e3:.0f} ms wall (Python stacks recorded: the host runs slower than "
+            f"unprofiled)")
         say(prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70))
-        say(f"[profile] {name}: the device idle {idle / 1e3:.1f} ms between its kernels (gaps over {GAP_US} us), "
-            f"by what the host was launching when it went on (the innermost frame of this repository's code, op; "
-            f"Python stacks recorded: the host runs slower than unprofiled):")
-        for (frame, op), (us, n) in sorted(gaps.items(), key=lambda kv: -kv[1][0])[:top]:
-            say(f"  {us / 1e3:8.2f} ms in {n:5d} gaps  {frame}  {op}")
-
-
-#: device idle intervals shorter than this (microseconds) are launch latency, not waiting for the host
-GAP_US = 10.0
-
-
-def idle_gaps(events) -> tuple[dict, float, float]:
-    """Where the device waited for the host, from a profile's events: every interval between consecutive kernels
-    (in start order, across streams) longer than `GAP_US`, charged to the kernel that ended it, labelled by the host
-    op that launched that kernel and the innermost frame of this repository's code on the op's stack. Returns
-    ({(frame, op): [microseconds, gaps]}, microseconds in all, microseconds some kernel ran)."""
-    from torch.autograd import DeviceType
-
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
-    # torch links a kernel to the op that launched it by the op's correlation id, and appends the kernel to that op's
-    # `kernels`; other host events (CUDA runtime calls, profiler bookkeeping) may carry the same id number
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.kernels}
-    gaps: dict = {}
-    idle, busy, end = 0.0, 0.0, None
-    for k in kernels:
-        busy += max(0.0, k.time_range.end - max(k.time_range.start, end if end is not None else k.time_range.start))
-        if end is not None and k.time_range.start - end > GAP_US:
-            op = ops.get(getattr(k, "linked_correlation_id", 0))
-            frame = op_frame(op)
-            label = (frame, op.name if op is not None else "?")
-            entry = gaps.setdefault(label, [0.0, 0])
-            entry[0] += k.time_range.start - end
-            entry[1] += 1
-            idle += k.time_range.start - end
-        end = k.time_range.end if end is None else max(end, k.time_range.end)
-    return gaps, idle, busy
-
-
-def op_frame(op) -> str:
-    """The innermost frame of this repository's code (not torch's, not a library's) on `op`'s stack, or its
-    ancestors' where it has none."""
-    root = str(Path(__file__).resolve().parents[1])
-    while op is not None:
-        for entry in op.stack or []:
-            if root in entry and "site-packages" not in entry:
-                return entry.replace(root + "/", "")
-        op = op.cpu_parent
-    return "?"
+        trace = traces / f"{name}_trace.json"
+        prof.export_chrome_trace(str(trace))
+        with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as z:
+            shutil.copyfileobj(f, z)
+        trace.unlink()
+        say(f"[profile] {name}: {trace_gaps.report(trace_gaps.analyse(trace_gaps.load(f'{trace}.gz')), top)}")
+        say(f"[profile] {name}: trace kept in {trace}.gz (python benchmarks/trace_gaps.py {trace}.gz)")
 
 
 # ================================================================================================== main
@@ -296,7 +261,9 @@ def main():
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile", type=int, default=0, metavar="N",
-                    help="only profile the new path's update and old-logprob pass: print the N costliest operations")
+                    help="only profile the new path's update and old-logprob pass: print the N costliest operations "
+                    "and where the device waited for the host")
+    ap.add_argument("--trace-dir", help="with --profile: keep the profiler traces here (*_trace.json.gz)")
     record.add_arguments(ap)
     args = ap.parse_args()
     rec = record.start(args, "update", device=args.device, tee=not args.profile)  # a profile records nothing

@@ -1,0 +1,141 @@
+"""Where a GPU waited for its host, read from a profiler trace (the Chrome trace JSON torch.profiler exports).
+
+Every interval longer than `GAP_US` in which no kernel, copy or memset ran is a gap; it is charged to the kernel
+that ended it, and through that kernel's CUDA correlation id to the runtime or driver call that launched it, and
+through the launch's time and thread to the innermost frame of this repository's code and the innermost torch op
+running on the host then: the code that was late to launch. Host syncs (``cudaStreamSynchronize``, device-to-host
+copies, ...) are listed by frame too: after one the device drains its queue and waits for the host to refill it.
+
+The trace, not `torch.profiler`'s event objects, is the input: it is a documented format (Perfetto, Holistic Trace
+Analysis read it), and a trace saved on a GPU machine can be analysed again anywhere:
+
+    python benchmarks/trace_gaps.py /tmp/update_trace.json.gz --top 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+#: device idle intervals shorter than this (microseconds) are launch latency, not waiting for the host
+GAP_US = 10.0
+DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+#: a frame of this repository's code: torch names frames by their path under a `sys.path` entry (the repository's
+#: root for its packages), so ours start with a package's name; an installed library's "gymnasium/envs/..." does not
+OUR_FRAME = re.compile(r"^((?:agents|trainers|mt_env|envs|benchmarks)/[\w/]+\.py\(\d+\): .*)$")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaMemcpyAsync", "cuStreamSynchronize")
+
+
+def load(path: str | Path) -> list[dict]:
+    """The complete ("X") events of a Chrome trace file, gzipped or not."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return [e for e in (data["traceEvents"] if isinstance(data, dict) else data) if e.get("ph") == "X"]
+
+
+def enclosing(events: list[dict], times: list[tuple[float, int]]) -> dict[int, list[dict]]:
+    """For each (time, key) of one host thread, the events of that thread running at that time, outermost first.
+    Events of one thread nest (an op inside a Python call inside another); one sweep over both sorted lists."""
+    events = sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0)))
+    stack: list[dict] = []
+    out, i = {}, 0
+    for t, key in sorted(times):
+        while i < len(events) and events[i]["ts"] <= t:
+            while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < events[i]["ts"]:
+                stack.pop()
+            stack.append(events[i])
+            i += 1
+        while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < t:
+            stack.pop()
+        out[key] = list(stack)
+    return out
+
+
+def label(stack: list[dict]) -> tuple[str, str]:
+    """(the innermost frame of this repository's code, the innermost torch op) of a host stack, "?" where none."""
+    frame = next((m.group(1) for e in reversed(stack) if e.get("cat") == "python_function"
+                  for m in [OUR_FRAME.search(e["name"])] if m), "?")
+    op = next((e["name"] for e in reversed(stack) if e.get("cat") == "cpu_op"), "?")
+    return frame, op
+
+
+def host_stacks(events: list[dict], at: dict[int, tuple[float, object]]) -> dict[int, list[dict]]:
+    """The host stack at each point `at` (key: (time, thread)), per thread in one sweep."""
+    by_tid: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "python_function"):
+            by_tid[e.get("tid")].append(e)
+    times: dict = defaultdict(list)
+    for key, (t, tid) in at.items():
+        times[tid].append((t, key))
+    stacks: dict[int, list[dict]] = {}
+    for tid, queries in times.items():
+        stacks.update(enclosing(by_tid.get(tid, []), queries))
+    return stacks
+
+
+def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
+    """The trace's device gaps and host syncs. Returns ``busy_us`` (the union of device intervals), ``idle_us``,
+    ``gaps`` (count), ``by_launch`` {(frame, op): [us, gaps]} and ``syncs`` {(frame, call): [us, calls]}."""
+    device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    busy = idle = 0.0
+    end, late = None, {}  # late: gap number -> (microseconds, the launch of the kernel that ended it)
+    for k in device:
+        start, stop = k["ts"], k["ts"] + k.get("dur", 0)
+        busy += max(0.0, stop - max(start, end if end is not None else start))
+        if end is not None and start - end > gap_us:
+            idle += start - end
+            late[len(late)] = (start - end, launches.get(k.get("args", {}).get("correlation")))
+        end = stop if end is None else max(end, stop)
+    syncs = [e for e in events if e.get("cat") in LAUNCH_CATS and e["name"] in SYNC_CALLS]
+    points = {n: (launch["ts"], launch.get("tid")) for n, (_, launch) in late.items() if launch is not None}
+    points.update({-1 - n: (e["ts"], e.get("tid")) for n, e in enumerate(syncs)})
+    stacks = host_stacks(events, points)
+    by_launch: dict = defaultdict(lambda: [0.0, 0])
+    for n, (us, launch) in late.items():
+        entry = by_launch[label(stacks[n]) if launch is not None else ("? (no launch found)", "?")]
+        entry[0] += us
+        entry[1] += 1
+    by_sync: dict = defaultdict(lambda: [0.0, 0])
+    for n, e in enumerate(syncs):
+        entry = by_sync[(label(stacks[-1 - n])[0], e["name"])]
+        entry[0] += e.get("dur", 0)
+        entry[1] += 1
+    return dict(busy_us=busy, idle_us=idle, gaps=len(late), gap_us=gap_us, by_launch=dict(by_launch),
+                syncs=dict(by_sync))
+
+
+def report(result: dict, top: int = 15) -> str:
+    """`analyse`'s result as lines of text, the costliest first."""
+    head = (f"device busy {result['busy_us'] / 1e3:.1f} ms (the union of its kernels), idle "
+            f"{result['idle_us'] / 1e3:.1f} ms in {result['gaps']} gaps over {result['gap_us']:g} us; by the code that "
+            f"launched the kernel after the gap:")
+    lines = [head]
+    for (frame, op), (us, n) in sorted(result["by_launch"].items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {us / 1e3:8.2f} ms in {n:5d} gaps  {frame}  [{op}]")
+    lines.append("host syncs (the host waits for the device, which then waits for the host):")
+    for (frame, call), (us, n) in sorted(result["syncs"].items(), key=lambda kv: -kv[1][1])[:top]:
+        lines.append(f"  {n:5d} x {call:<22} {us / 1e3:8.2f} ms  {frame}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", help="a Chrome trace from torch.profiler (.json or .json.gz)")
+    ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--gap-us", type=float, default=GAP_US)
+    args = ap.parse_args()
+    print(report(analyse(load(args.trace), args.gap_us), args.top))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""benchmarks/trace_gaps.py: the device's idle gaps charged to the host code that launched the next kernel, and the
+host stack found by one sweep equal to a brute-force containment search."""
+
+import gzip
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from benchmarks import trace_gaps
+
+
+def X(cat, name, ts, dur, tid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "pid": 7, "args": args}
+
+
+def synthetic_trace() -> list[dict]:
+    """Two kernels back to back, a 40 us gap before a kernel launched from trainers/ppo.py inside aten::mm, a 5 us
+    gap (launch latency, not counted), a 100 us gap after a host sync in agents/logprobs.py, then 135 us before a
+    kernel launched outside any op."""
+    return [
+        X("python_function", "trainers/ppo.py(10): update", 0, 1000),
+        X("python_function", "transformers/modeling_qwen2.py(5): forward", 10, 300),
+        X("cpu_op", "aten::mm", 20, 50),
+        X("cuda_runtime", "cudaLaunchKernel", 30, 5, correlation=1),
+        X("cuda_runtime", "cudaLaunchKernel", 40, 5, correlation=2),
+        X("python_function", "agents/logprobs.py(3): chunked", 400, 300),
+        X("cuda_runtime", "cudaStreamSynchronize", 410, 150),
+        X("cpu_op", "aten::add", 600, 30),
+        X("cuda_driver", "cuLaunchKernel", 610, 5, correlation=3),
+        X("cuda_runtime", "cudaLaunchKernel", 650, 5, correlation=4),
+        X("kernel", "gemm", 100, 200, tid=9, correlation=1),
+        X("kernel", "gemm", 340, 60, tid=9, correlation=2),   # 40 us after the first: a gap
+        X("gpu_memset", "memset", 405, 10, tid=9, correlation=9),  # 5 us after: launch latency
+        X("kernel", "add", 515, 10, tid=9, correlation=3),    # 100 us idle while the host synced
+        X("kernel", "add", 660, 10, tid=9, correlation=4),    # launched between ops: no op, a frame
+    ]
+
+
+def test_gaps_are_charged_to_the_code_that_launched_the_next_kernel(tmp_path):
+    path = tmp_path / "t.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": synthetic_trace() + [{"ph": "M", "name": "process_name"}]}, f)
+    result = trace_gaps.analyse(trace_gaps.load(path))
+    assert result["gaps"] == 3 and result["idle_us"] == 40 + 100 + 135
+    assert result["busy_us"] == 200 + 60 + 10 + 10 + 10
+    assert result["by_launch"] == {("trainers/ppo.py(10): update", "aten::mm"): [40.0, 1],
+                                   ("agents/logprobs.py(3): chunked", "aten::add"): [100.0, 1],
+                                   ("agents/logprobs.py(3): chunked", "?"): [135.0, 1]}
+    assert result["syncs"] == {("agents/logprobs.py(3): chunked", "cudaStreamSynchronize"): [150.0, 1]}
+    text = trace_gaps.report(result)
+    assert "aten::mm" in text and "cudaStreamSynchronize" in text
+
+
+def test_a_kernel_without_its_launch_in_the_trace_is_counted_and_said_so():
+    events = [X("kernel", "a", 0, 10, tid=9, correlation=1), X("kernel", "b", 50, 10, tid=9, correlation=2)]
+    result = trace_gaps.analyse(events)
+    assert result["by_launch"] == {("? (no launch found)", "?"): [40.0, 1]}
+
+
+@st.composite
+def nested_events(draw, depth=0, start=0, stop=1000):
+    """Properly nested intervals inside [start, stop): each level splits its span into children."""
+    events, t = [], start
+    while t < stop and depth < 4 and draw(st.booleans()):
+        a = draw(st.integers(t, stop - 1))
+        b = draw(st.integers(a, stop - 1))
+        events.append(X("cpu_op", f"op{len(events)}@{depth}", a, b - a))
+        events += draw(nested_events(depth + 1, a, b)) if b > a else []
+        t = b + 1
+    return events
+
+
+@settings(max_examples=150, deadline=None)
+@given(nested_events(), st.lists(st.integers(0, 1000), max_size=20))
+def test_the_sweep_finds_every_event_running_at_each_time(events, times):
+    found = trace_gaps.enclosing(events, [(t, n) for n, t in enumerate(times)])
+    for n, t in enumerate(times):
+        expected = [e for e in events if e["ts"] <= t <= e["ts"] + e["dur"]]
+        assert sorted(map(id, found[n])) == sorted(map(id, expected))
