@@ -128,6 +128,25 @@ def timed(fn, device, warmup, iters, calls: list | None = None):
     return sum(seconds[warmup:]) / iters
 
 
+def fresh_allocator(device) -> int:
+    """Empty CUDA's caching allocator and reset its peak; returns its count of retries so far (0 off CUDA). A path
+    timed on blocks cached by another, larger or differently shaped, can hit cudaMalloc failures: the allocator then
+    frees its cache and retries, synchronising the device each time, and the path reads slower than it is."""
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_stats(device).get("num_alloc_retries", 0)
+
+
+def allocator_report(device, retries_before: int) -> tuple[int, float]:
+    """(allocator retries since `fresh_allocator`, peak GiB allocated); (0, 0.0) off CUDA."""
+    if device.type != "cuda":
+        return 0, 0.0
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0) - retries_before, torch.cuda.max_memory_allocated(device) / 2**30
+
+
 def recipe(args, *overrides):
     return load_config("quickstart.yaml", [f"trainer.micro_batch_size={args.micro}",
                                            "env.budget.max_response_tokens=2048", *overrides])
@@ -190,18 +209,22 @@ def today_vs_new(args, lm, device, accelerator, multi, peak, say) -> dict:
                      "algorithm.kl_coef=0.001", "algorithm.entropy_coef=0.001", *knobs)
         models = Models(policy, optimizer(policy.parameters(), lr=1e-6), scheduler=None)
         update_calls, score_calls = [], []
+        retries = fresh_allocator(device)  # each path from an empty cache: no blocks left by the paths before it
         t_update = timed(lambda: update(multi, models, accelerator, cfg, step=1), device, args.warmup, args.iters,
                          update_calls)
         t_score = timed(lambda: score(multi, models, cfg), device, args.warmup, args.iters, score_calls)
+        retries, peak_gib = allocator_report(device, retries)
         mfu = (lambda flops: None if peak is None else flops / peak)
         out[name] = dict(update_tok_s=real / t_update, update_s=t_update, score_tok_s=real / t_score, score_s=t_score,
                          update_mfu=mfu(6 * n_params * real / t_update), score_mfu=mfu(2 * n_params * real / t_score),
-                         update_calls_s=update_calls, score_calls_s=score_calls)
+                         update_calls_s=update_calls, score_calls_s=score_calls, alloc_retries=retries,
+                         peak_gib=peak_gib)
         fmt = (lambda x: "n/a" if x is None else f"{100 * x:.1f}%")
         say(f"  {name:<5}: update {real / t_update:>10,.0f} tok/s (MFU {fmt(out[name]['update_mfu'])}), old-logprob "
             f"pass {real / t_score:>10,.0f} tok/s (MFU {fmt(out[name]['score_mfu'])})")
         say(f"         each call, warm-up first (ms): update {' '.join(f'{1e3 * s:.0f}' for s in update_calls)}; "
-            f"old-logprob pass {' '.join(f'{1e3 * s:.0f}' for s in score_calls)}")
+            f"old-logprob pass {' '.join(f'{1e3 * s:.0f}' for s in score_calls)}; allocator retries {retries}, "
+            f"peak {peak_gib:.1f} GiB")
         del models
     ratio = out["new"]["update_tok_s"] / out["today"]["update_tok_s"]
     ratio_score = out["new"]["score_tok_s"] / out["today"]["score_tok_s"]
@@ -227,7 +250,13 @@ def profile_new(args, lm, device, accelerator, multi, top: int, say) -> None:
     traces.mkdir(parents=True, exist_ok=True)
     for name, fn in (("update", lambda: update(multi, models, accelerator, cfg, step=1)),
                      ("score", lambda: score(multi, models, cfg))):
-        timed(fn, device, args.warmup, 1)
+        retries = fresh_allocator(device)
+        calls: list[float] = []
+        timed(fn, device, args.warmup, args.iters, calls)
+        retries, peak_gib = allocator_report(device, retries)
+        say(f"\n[unprofiled] {name}: each call, warm-up first (ms): {' '.join(f'{1e3 * s:.0f}' for s in calls)}; "
+            f"{int(multi.attention_mask.sum()):,} tokens; allocator retries {retries}, peak "
+            f"{peak_gib:.1f} GiB")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities, with_stack=True) as prof:
             wall = timed(fn, device, 0, 1)
