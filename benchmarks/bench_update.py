@@ -173,7 +173,8 @@ def raw_vs_update(args, lm, device, accelerator, say) -> dict:
 def padded_vs_packed(args, lm, device, accelerator, multi, say) -> dict:
     real, slots, results = int(multi.attention_mask.sum()), multi.attention_mask.numel(), {}
     policy, opt = PolicyModel(lm, logprob_chunk_tokens=None), torch.optim.AdamW(lm.parameters(), lr=1e-6)
-    for layout, attn in (("padded", "sdpa"), ("packed", "sdpa"), ("packed", "flex_attention")):
+    built = lm.config._attn_implementation  # `SDPA_VARLEN`: sdpa, and flash's varlen kernel on packed rows
+    for layout, attn in (("padded", built), ("packed", built), ("packed", "flex_attention")):
         if attn == "flex_attention" and device.type != "cuda":
             continue
         lm.config._attn_implementation = attn
@@ -182,8 +183,8 @@ def padded_vs_packed(args, lm, device, accelerator, multi, say) -> dict:
         t = timed(lambda: mt_env_step(policy, opt, accelerator, cfg, multi), device, 1, max(2, args.iters // 2))
         results[f"{layout}/{attn}"] = real / t
         say(f"  {layout:<6} ({attn:<14}): {real / t:>10,.0f} real tok/s  ({t * 1e3:.0f} ms/step)")
-    lm.config._attn_implementation = "sdpa"
-    speedup = max(v for k, v in results.items() if k.startswith("packed")) / results["padded/sdpa"]
+    lm.config._attn_implementation = built  # the sections after this one train as the trainer does
+    speedup = max(v for k, v in results.items() if k.startswith("packed")) / results[f"padded/{built}"]
     say(f"\n[padded vs packed] {len(multi)} episodes, {real:,} real tokens in {slots:,} padded slots "
         f"({100 * real / slots:.0f}% real)")
     say(f"  packed / padded: {speedup:.2f}x  (goal >= 1.5x)  {'PASS' if speedup >= 1.5 else 'FAIL'}")
