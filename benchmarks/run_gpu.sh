@@ -74,10 +74,10 @@ case "${1:-}" in
       --new-tokens 128 --env-processes 8 --repeats 5 2>&1 | grep -v "Warn\|warn" | tail -24
     echo "bench_rollout rc=${PIPESTATUS[0]}" ;;
   step1)  # the first step of a process compiles the trainer's scoring function (~60 s on a fresh machine)
-    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=16384 \
+    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
       2>&1 | tail -12; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
   update)
-    timeout 200 python3 benchmarks/bench_update.py --device cuda 2>&1 | tail -9
+    timeout 280 python3 benchmarks/bench_update.py --device cuda --iters 3 --also-micro-tokens 32768 8192 2>&1 | tail -22
     echo "bench_update rc=${PIPESTATUS[0]}" ;;
   agent)  # the agent workloads (issue 27): prefix cache on and off in one process -> h200/agent
     timeout 560 python3 benchmarks/bench_agent.py --device cuda --workloads A B gsm8k --env-processes 8 2>&1 \

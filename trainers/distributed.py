@@ -138,11 +138,14 @@ class FullStateDict:
 # --------------------------------------------------------------------------------------------- memory
 def peak_memory(device: torch.device) -> dict[str, float]:
     """This process's peak GPU memory since it started, in GiB: allocated by tensors, and reserved by the caching
-    allocator (what nvidia-smi shows, minus the CUDA context). Empty off GPU."""
+    allocator (what nvidia-smi shows, minus the CUDA context); and the allocator's retries so far (a cudaMalloc that
+    failed, the cache freed, the device synchronised: memory pressure slows a step without an error). Empty off
+    GPU."""
     if device.type != "cuda":
         return {}
     return {"perf/peak_gib": torch.cuda.max_memory_allocated(device) / 2**30,
-            "perf/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30}
+            "perf/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+            "perf/alloc_retries_total": float(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
 
 
 def compile_totals() -> dict[str, float]:
@@ -162,7 +165,7 @@ COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout
           "grpo/zero_variance_groups"}
 COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
 #: metrics that are maxima over the processes (memory per GPU)
-MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "async/staleness_max", "perf/compilations_total",
+MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "perf/alloc_retries_total", "async/staleness_max", "perf/compilations_total",
           "perf/compile_s_total", "perf/compiling_calls_s_total"}
 
 
