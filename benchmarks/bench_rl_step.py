@@ -34,6 +34,7 @@ logprobs against the trainer's; 0.0 in exact mode, issue 28), and `exact_logprob
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import sys
 import tempfile
@@ -44,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's code, not an installed copy
 
-from benchmarks import record  # noqa: E402
+from benchmarks import record, trace_gaps  # noqa: E402
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
@@ -68,6 +69,7 @@ def run_trainer(args, out_dir: str) -> tuple[list[dict], list[str]]:
 
 def steady(rows: list[dict], warmup: int) -> dict:
     """Medians over the steps after the warm-up: seconds per phase and tokens per step."""
+    rows = [r for r in rows if not r.get("perf/profiled")] or rows  # a profiled step runs slower: not a sample
     kept = [r for r in rows if r["step"] > warmup] or rows
     median = lambda key: statistics.median(r.get(key, 0.0) for r in kept)  # noqa: E731
     out = {"steps": [r["step"] for r in kept], "step_s": median("perf/step_s"),
@@ -178,6 +180,15 @@ def parameter_count(cfg) -> int:
     return sum(p.numel() for p in lm.parameters())
 
 
+def report_profile(profile_dir: Path, keep: str | None) -> None:
+    """Print `trace_gaps`'s report of each trace the profiled step wrote (one per process); copy them to `keep`."""
+    for trace in sorted(profile_dir.glob("*.json.gz")):
+        print(f"\n[profile] {trace.name}:\n{trace_gaps.report(trace_gaps.analyse(trace_gaps.load(trace)), 12)}")
+        if keep:
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(trace, Path(keep) / trace.name)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -190,11 +201,20 @@ def main():
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the medians")
     ap.add_argument("--raw-seq", type=int, help="row length of the raw baseline (default: the steps' mean sequence)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--profile-step", type=int, default=0, metavar="N",
+                    help="run step N under torch.profiler (trainer.profile_step; left out of the medians), print "
+                         "where its time went (benchmarks/trace_gaps.py); records nothing")
+    ap.add_argument("--trace-dir", help="with --profile-step: keep the step's trace here")
     record.add_arguments(ap)
     args = ap.parse_args()
-    rec = record.start(args, "rl_step", device="cuda" if torch.cuda.is_available() else "cpu")
+    rec = record.start(args, "rl_step", device="cuda" if torch.cuda.is_available() else "cpu",
+                       tee=not args.profile_step)  # a profiled run records nothing
+    if args.profile_step:
+        args.set.append(f"trainer.profile_step={args.profile_step}")
     with tempfile.TemporaryDirectory() as tmp:
         rows, overrides = run_trainer(args, tmp)
+        if args.profile_step:
+            report_profile(Path(tmp) / "profile", args.trace_dir)
     cfg = load_config(args.config, [o for o in overrides if not o.startswith("output_dir=")])
     figures = steady(rows, args.warmup)
     device = torch.device("cuda" if cfg.device != "cpu" and torch.cuda.is_available() else "cpu")
@@ -234,7 +254,8 @@ def main():
         print(f"  {name:<12} {ratio:.2f}x raw  {'PASS' if ratio >= GOAL_RATIO else 'FAIL'} (goal >= {GOAL_RATIO}x)")
     print(f"  step_s {figures['step_s']:.2f}  {'PASS' if figures['step_s'] <= GOAL_STEP_S else 'FAIL'} "
           f"(goal <= {GOAL_STEP_S} s)")
-    print(f"wrote {rec.write(figures)}")
+    if not args.profile_step:
+        print(f"wrote {rec.write(figures)}")
 
 
 if __name__ == "__main__":

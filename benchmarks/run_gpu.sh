@@ -18,6 +18,9 @@
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
 #   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (uncompiled), its
 #                                        #   mismatch at every step and its phases -> $EXP/rl_step_exact.json
+#   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
+#                                        #   and device-busy time, where the device waited for the host (issue 29)
+#                                        #   -> the report printed, the trace in $EXP/step_trace/
 #   bash benchmarks/run_gpu.sh exact_matmul  # 1 GPU: exact mode's matmul alone at the 0.5B's weight shapes under
 #                                        #   several tiles, against cuBLAS (issue 28) -> $EXP/exact_matmul.json
 #   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
@@ -76,6 +79,10 @@ case "${1:-}" in
   step1)  # the first step of a process compiles the trainer's scoring function (~60 s on a fresh machine)
     timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
       2>&1 | tail -12; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
+  step_profile)  # an experiment: steps 1-4 as step1's run, step 5 profiled (left out of the medians; no record)
+    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
+      --steps 5 --profile-step 5 --trace-dir "$EXP/step_trace" 2>&1 | grep -v "Warn\|warn" | tail -45
+    echo "bench_rl_step profile rc=${PIPESTATUS[0]}" ;;
   update)
     timeout 280 python3 benchmarks/bench_update.py --device cuda --iters 3 --also-micro-tokens 32768 8192 2>&1 | tail -22
     echo "bench_update rc=${PIPESTATUS[0]}" ;;

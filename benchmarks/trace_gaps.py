@@ -81,21 +81,64 @@ def host_stacks(events: list[dict], at: dict[int, tuple[float, object]]) -> dict
     return stacks
 
 
+def phases(events: list[dict]) -> list[tuple[float, float, str]]:
+    """The main thread's phases, in order: (start, end, frame) of each call of this repository's code that no other
+    of its calls encloses except a ``main`` (the trainer's loop: its rollout, scoring passes, update, ...). The main
+    thread is the one with the longest call of this repository's code among those not started by `threading` (a
+    library's worker, or one of ours that watches a process)."""
+    calls = [e for e in events if e.get("cat") == "python_function"]
+    workers = {e.get("tid") for e in calls
+               if e["name"].startswith("threading.py(") and e["name"].endswith(": _bootstrap")}
+    ours = [e for e in calls if OUR_FRAME.search(e["name"]) and e.get("tid") not in workers]
+    if not ours:
+        return []
+    main_tid = max(ours, key=lambda e: e.get("dur", 0)).get("tid")
+    stack: list[dict] = []
+    out = []
+    for e in sorted((e for e in calls if e.get("tid") == main_tid), key=lambda e: (e["ts"], -e.get("dur", 0))):
+        while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) <= e["ts"]:  # ended: not a caller of e
+            stack.pop()
+        ours = [m.group(1) for x in stack for m in [OUR_FRAME.search(x["name"])] if m]
+        m = OUR_FRAME.search(e["name"])
+        if m and not m.group(1).endswith(": main") and all(f.endswith(": main") for f in ours):
+            out.append((e["ts"], e["ts"] + e.get("dur", 0), m.group(1)))
+        stack.append(e)
+    return out
+
+
+def busy_within(intervals: list[tuple[float, float]], windows: list[tuple[float, float, str]]) -> dict:
+    """{frame: [wall us, device-busy us]} of `windows` (sorted, disjoint), from the device's merged `intervals`."""
+    out: dict = defaultdict(lambda: [0.0, 0.0])
+    i = 0
+    for start, end, frame in windows:
+        out[frame][0] += end - start
+        while i < len(intervals) and intervals[i][1] <= start:
+            i += 1
+        j = i
+        while j < len(intervals) and intervals[j][0] < end:
+            out[frame][1] += min(end, intervals[j][1]) - max(start, intervals[j][0])
+            j += 1
+    return dict(out)
+
+
 def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
     """The trace's device gaps and host syncs. Returns ``busy_us`` (the union of device intervals), ``idle_us``,
-    ``gaps`` (count), ``by_launch`` {(frame, op): [us, gaps]} and ``syncs`` {(frame, call): [us, calls]}."""
+    ``gaps`` (count), ``by_launch`` {(frame, op): [us, gaps]}, ``syncs`` {(frame, call): [us, calls]} and
+    ``phases`` {frame: [wall us, device-busy us]} (`phases`)."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
-    busy = idle = 0.0
-    end, late = None, {}  # late: gap number -> (microseconds, the launch of the kernel that ended it)
+    idle, merged = 0.0, []  # merged: the union of the device's intervals, in order
+    late = {}  # gap number -> (microseconds, the launch of the kernel that ended it)
     for k in device:
         start, stop = k["ts"], k["ts"] + k.get("dur", 0)
-        busy += max(0.0, stop - max(start, end if end is not None else start))
-        if end is not None and start - end > gap_us:
-            idle += start - end
-            late[len(late)] = (start - end, launches.get(k.get("args", {}).get("correlation")))
-        end = stop if end is None else max(end, stop)
+        if merged and start - merged[-1][1] > gap_us:
+            idle += start - merged[-1][1]
+            late[len(late)] = (start - merged[-1][1], launches.get(k.get("args", {}).get("correlation")))
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
     syncs = [e for e in events if e.get("cat") in LAUNCH_CATS and e["name"] in SYNC_CALLS]
     points = {n: (launch["ts"], launch.get("tid")) for n, (_, launch) in late.items() if launch is not None}
     points.update({-1 - n: (e["ts"], e.get("tid")) for n, e in enumerate(syncs)})
@@ -110,8 +153,8 @@ def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
         entry = by_sync[(label(stacks[-1 - n])[0], e["name"])]
         entry[0] += e.get("dur", 0)
         entry[1] += 1
-    return dict(busy_us=busy, idle_us=idle, gaps=len(late), gap_us=gap_us, by_launch=dict(by_launch),
-                syncs=dict(by_sync))
+    return dict(busy_us=sum(b - a for a, b in merged), idle_us=idle, gaps=len(late), gap_us=gap_us,
+                by_launch=dict(by_launch), syncs=dict(by_sync), phases=busy_within(merged, phases(events)))
 
 
 def report(result: dict, top: int = 15) -> str:
@@ -119,7 +162,10 @@ def report(result: dict, top: int = 15) -> str:
     head = (f"device busy {result['busy_us'] / 1e3:.1f} ms (the union of its kernels), idle "
             f"{result['idle_us'] / 1e3:.1f} ms in {result['gaps']} gaps over {result['gap_us']:g} us; by the code that "
             f"launched the kernel after the gap:")
-    lines = [head]
+    lines = ["phases (the main thread's outermost calls of this repository's code): wall, device busy"]
+    lines += [f"  {wall / 1e3:9.1f} ms  {busy / 1e3:9.1f} ms ({100 * busy / max(wall, 1e-9):3.0f}%)  {frame}"
+              for frame, (wall, busy) in sorted(result["phases"].items(), key=lambda kv: -kv[1][0])[:top]]
+    lines.append(head)
     for (frame, op), (us, n) in sorted(result["by_launch"].items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms in {n:5d} gaps  {frame}  [{op}]")
     lines.append("host syncs (the host waits for the device, which then waits for the host):")

@@ -48,6 +48,7 @@ def test_gaps_are_charged_to_the_code_that_launched_the_next_kernel(tmp_path):
                                    ("agents/logprobs.py(3): chunked", "aten::add"): [100.0, 1],
                                    ("agents/logprobs.py(3): chunked", "?"): [135.0, 1]}
     assert result["syncs"] == {("agents/logprobs.py(3): chunked", "cudaStreamSynchronize"): [150.0, 1]}
+    assert result["phases"] == {"trainers/ppo.py(10): update": [1000.0, 290.0]}
     text = trace_gaps.report(result)
     assert "aten::mm" in text and "cudaStreamSynchronize" in text
 
@@ -78,3 +79,23 @@ def test_the_sweep_finds_every_event_running_at_each_time(events, times):
     for n, t in enumerate(times):
         expected = [e for e in events if e["ts"] <= t <= e["ts"] + e["dur"]]
         assert sorted(map(id, found[n])) == sorted(map(id, expected))
+
+
+def test_phases_are_the_main_threads_outermost_calls_of_ours_under_main():
+    events = [
+        X("python_function", "threading.py(1030): _bootstrap", 0, 5000, tid=2),  # a worker thread: not main
+        X("python_function", "mt_env/isolation.py(193): _watch", 0, 5000, tid=2),
+        X("python_function", "trainers/ppo.py(87): main", 0, 3000),
+        X("python_function", "trainers/rollouts.py(5): play", 100, 900),
+        X("python_function", "agents/engine/scheduler.py(9): next_pass", 200, 100),  # inside play: not a phase
+        X("python_function", "trainers/ppo.py(392): update", 1000, 1000),
+        X("python_function", "trainers/ppo.py(392): update", 2200, 500),
+        X("kernel", "k", 150, 100, tid=9), X("kernel", "k", 900, 300, tid=9), X("kernel", "k", 2100, 200, tid=9),
+    ]
+    assert trace_gaps.phases(events) == [(100, 1000, "trainers/rollouts.py(5): play"),
+                                         (1000, 2000, "trainers/ppo.py(392): update"),
+                                         (2200, 2700, "trainers/ppo.py(392): update")]
+    result = trace_gaps.analyse(events)
+    assert result["phases"] == {"trainers/rollouts.py(5): play": [900.0, 200.0],
+                                "trainers/ppo.py(392): update": [1500.0, 300.0]}
+    assert "trainers/rollouts.py(5): play" in trace_gaps.report(result)

@@ -45,7 +45,8 @@ _NAME = re.compile(r"^(\.?)checkpoint_(\d+)(\.tmp)?$")
 
 #: settings a resumed run may change (prefixes of dotted keys); anything else must equal the run's
 RESUMABLE = ("trainer.total_steps", "trainer.time_limit_s", "trainer.resume", "trainer.eval_every",
-             "trainer.save_every", "trainer.keep_last", "sft.save_every", "sft.time_limit_s", "threads", "device",
+             "trainer.save_every", "trainer.keep_last", "trainer.profile_step", "sft.save_every", "sft.time_limit_s",
+             "threads", "device",
              "logging.", "rollout.max_batch_size",
              "rollout.server_urls", "rollout.engine_kwargs", "rollout.backend")
 

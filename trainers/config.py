@@ -201,6 +201,8 @@ class TrainerConfig:
     packed: bool = option(False, "padding-free batches (block-diagonal attention)")
     compile: bool = option(False, "the policy's decoder layers compiled by Inductor in the trainer's forward "
                                   "passes (a layer that cannot compile runs eagerly)")
+    profile_step: int = option(0, "run this step under torch.profiler and write its Chrome trace to "
+                                  "output_dir/profile/ (trainers.profiling; 0: none)", ge=0)
     eval_every: int = option(10, "steps between evaluations (0: only at the end)", ge=0)
     save_every: int = option(50, "steps between checkpoints (0: only at the end and when interrupted)", ge=0)
     keep_last: int = option(3, "complete checkpoints kept (older ones are deleted)", ge=1)

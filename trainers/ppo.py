@@ -67,6 +67,7 @@ from trainers.distributed import (FullStateDict, across_processes, compile_total
 from trainers.lora import AdaptersOff, has_adapters
 from trainers.modeling import PolicyModel
 from trainers.optim import AdamW
+from trainers.profiling import StepProfile
 from trainers.recording import Recorder
 from trainers.rollouts import LocalRollouts, eval_metrics, make_rollouts
 from trainers.setup import (TaskSource, env_factory, eval_tasks, frozen_copy, lr_factor, make_accelerator,
@@ -100,9 +101,11 @@ def main(argv=None) -> dict:
     if run.state.first_eval is None:
         evaluate(run, 0)  # the starting level (after SFT): what RL has to beat
 
-    with StopRequested(announce=acc.is_main_process) as stop:  # Ctrl-C: stop at the next step, with a checkpoint
+    profile = StepProfile(t.profile_step, Path(cfg.output_dir) / "profile", acc.process_index, run.tracker.message)
+    with StopRequested(announce=acc.is_main_process) as stop, profile:  # Ctrl-C: stop at the next step, with a save
         while run.state.step < t.total_steps and not stop.agreed(acc):
             step, step_start = run.state.step + 1, time.perf_counter()
+            profile.at(step)  # trainer.profile_step: this step under torch.profiler
 
             # 1. ROLLOUT: each process plays its share of the step's tasks, n samples each (a GRPO group per task)
             tasks = run.tasks.next(cfg.rollout.prompts_per_step)[acc.process_index::acc.num_processes]
@@ -153,7 +156,7 @@ def main(argv=None) -> dict:
             metrics.update({
                 "perf/step_s": time.perf_counter() - step_start, "perf/update_s": update_s,
                 "perf/tokens": float(batch.attention_mask.sum()), "perf/trained_tokens": float(batch.loss_mask.sum()),
-                "perf/sequences": len(batch), "perf/epochs": t.epochs,
+                "perf/sequences": len(batch), "perf/epochs": t.epochs, "perf/profiled": float(profile.active),
                 "perf/elapsed_s": run.state.elapsed(), "actor/lr": run.models.scheduler.get_last_lr()[0],
                 "dist/processes": acc.num_processes, **peak_memory(acc.device), **compile_totals(),
             })
