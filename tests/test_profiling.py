@@ -3,6 +3,7 @@ benchmarks/trace_gaps.py reads."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from benchmarks import trace_gaps
@@ -45,3 +46,13 @@ def test_the_trainer_profiles_the_step_it_is_told_and_marks_its_row(tmp_path):
     frames = {m.group(1).split("(")[0] + ":" + m.group(1).split(": ")[1] for e in events
               if e.get("cat") == "python_function" for m in [trace_gaps.OUR_FRAME.search(e["name"])] if m}
     assert {"trainers/ppo.py:update", "trainers/rollouts.py:play"} <= frames
+
+
+def test_a_step_that_fails_keeps_its_error_when_its_trace_cannot_be_written(tmp_path):
+    (tmp_path / "blocked").write_text("a file where the profile folder would go")
+    said = []
+    with pytest.raises(RuntimeError, match="the step's own error"):
+        with StepProfile(1, tmp_path / "blocked", say=said.append) as profile:
+            profile.at(1)
+            raise RuntimeError("the step's own error")
+    assert not profile.active and "not written" in said[0]

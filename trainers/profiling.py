@@ -33,8 +33,13 @@ class StepProfile:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._stop()  # the loop ended in the profiled step (the last one, a stop, an error)
+    def __exit__(self, exc_type, *exc) -> None:
+        try:
+            self._stop()  # the loop ended in the profiled step (the last one, a stop, an error)
+        except Exception as e:
+            if exc_type is None:
+                raise
+            self.say(f"step {self.step}: its profile was not written ({e}): the step failed first")
 
     @property
     def active(self) -> bool:
