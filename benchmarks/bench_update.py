@@ -15,9 +15,13 @@
    seconds / peak for the update (2 x ... for a forward pass), peak = the GPU's dense bf16 rate (`PEAK_TFLOPS`).
 
 Goals (issue 5): mt_env >= 0.9x raw tokens/s; packed >= 1.5x padded. Issue 29: the new update >= 2x today's.
+Each path of 4 starts from an empty CUDA cache and reports the allocator's retries and peak. ``--profile N``
+instead profiles the new path (after timing it unprofiled in the same process) and reports where the device
+waited (`benchmarks.trace_gaps`); it records nothing.
 
     python benchmarks/bench_update.py --device cuda --model qwen2.5-0.5b
     python benchmarks/bench_update.py --device cuda --also-micro-tokens 32768   # and the new path at 32k tokens too
+    python benchmarks/bench_update.py --device cuda --profile 12 --iters 3 --trace-dir /tmp/traces  # where it waits
     python benchmarks/bench_update.py --device cpu --model tiny --vocab 2000 --batch 2 --seq 128 --micro 2 \\
         --micro-tokens 4096 --iters 1 --warmup 1 --out /tmp/update_cpu.json                    # a CPU smoke run
 """
