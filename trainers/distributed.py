@@ -165,8 +165,8 @@ COUNTS = {"rollout/episodes", "rollout/completed", "rollout/truncated", "rollout
           "grpo/zero_variance_groups"}
 COUNT_PREFIXES = ("rollout/finish_", "rollout/end/")
 #: metrics that are maxima over the processes (memory per GPU)
-MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "perf/alloc_retries_total", "async/staleness_max", "perf/compilations_total",
-          "perf/compile_s_total", "perf/compiling_calls_s_total"}
+MAXIMA = {"perf/peak_gib", "perf/peak_reserved_gib", "perf/alloc_retries_total", "async/staleness_max",
+          "perf/compilations_total", "perf/compile_s_total", "perf/compiling_calls_s_total"}
 
 
 def reduce_metrics(accelerator, metrics: dict) -> dict:
