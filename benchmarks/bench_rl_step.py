@@ -80,9 +80,11 @@ def steady(rows: list[dict], warmup: int) -> dict:
         out[f"{phase}_s"] = median(f"perf/{phase}_s")
     out["peak_gib"] = max((r.get("perf/peak_gib", 0.0) for r in rows), default=0.0) or None  # over every step
     out["peak_reserved_gib"] = max((r.get("perf/peak_reserved_gib", 0.0) for r in rows), default=0.0) or None
-    # the caching allocator's retries during the measured steps (each one freed its cache and synchronised)
-    retries = [r.get("perf/alloc_retries_total", 0.0) for r in rows if r["step"] >= kept[0]["step"] - 1]
-    out["alloc_retries"] = max(retries, default=0.0) - min(retries, default=0.0)
+    # what happened during the measured steps, from running totals: the caching allocator's retries (each one freed
+    # its cache and synchronised) and Inductor's compilations (a steady step should have none)
+    for key, total in (("alloc_retries", "perf/alloc_retries_total"), ("compilations", "perf/compilations_total")):
+        totals = [r.get(total, 0.0) for r in rows if r["step"] >= kept[0]["step"] - 1]
+        out[key] = max(totals, default=0.0) - min(totals, default=0.0)
     # the embedded engine's counters over a rollout (`trainers.rollouts.LocalRollouts.play`: ``engine/*``)
     out["engine"] = {key.removeprefix("engine/"): median(key) for key in kept[0] if key.startswith("engine/")}
     return out
@@ -246,7 +248,8 @@ def main():
                       for phase in ("old_logprob", "ref", "update") if figures[f"{phase}_tok_s"])
     print(f"{figures['parameters'] / 1e9:.2f}B parameters; {rates}; peak memory "
           f"{figures['peak_gib'] or 0:.1f} GiB allocated, {figures['peak_reserved_gib'] or 0:.1f} GiB reserved; "
-          f"{figures['alloc_retries']:.0f} allocator retries in the steady steps")
+          f"{figures['alloc_retries']:.0f} allocator retries and {figures['compilations']:.0f} compilations in the "
+          f"steady steps")
     if "raw_forward_tok_s" in figures:
         print(f"raw forward {figures['raw_forward_tok_s']:,.0f} tok/s, raw forward+backward+AdamW "
               f"{figures['raw_train_tok_s']:,.0f} tok/s")
