@@ -58,12 +58,18 @@ def enclosing(events: list[dict], times: list[tuple[float, int]]) -> dict[int, l
     return out
 
 
+#: the op autograd's engine wraps each backward node in (on its own thread, where no frame of ours runs)
+BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+
 def label(stack: list[dict]) -> tuple[str, str]:
-    """(the innermost frame of this repository's code, the innermost torch op) of a host stack, "?" where none."""
+    """(the innermost frame of this repository's code, the innermost torch op) of a host stack, "?" where none; in
+    autograd's backward thread, the frame is the backward node being evaluated ("backward of MmBackward0")."""
     frame = next((m.group(1) for e in reversed(stack) if e.get("cat") == "python_function"
-                  for m in [OUR_FRAME.search(e["name"])] if m), "?")
+                  for m in [OUR_FRAME.search(e["name"])] if m), None)
+    node = next((e["name"][len(BACKWARD_NODE):] for e in stack if e["name"].startswith(BACKWARD_NODE)), None)
     op = next((e["name"] for e in reversed(stack) if e.get("cat") == "cpu_op"), "?")
-    return frame, op
+    return frame or (f"backward of {node}" if node else "?"), op
 
 
 def host_stacks(events: list[dict], at: dict[int, tuple[float, object]]) -> dict[int, list[dict]]:

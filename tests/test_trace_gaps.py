@@ -53,6 +53,14 @@ def test_gaps_are_charged_to_the_code_that_launched_the_next_kernel(tmp_path):
     assert "aten::mm" in text and "cudaStreamSynchronize" in text
 
 
+def test_a_kernel_launched_by_autograds_backward_thread_is_charged_to_its_backward_node():
+    events = [X("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 0, 100, tid=5),
+              X("cpu_op", "aten::mm", 10, 50, tid=5),
+              X("cuda_runtime", "cudaLaunchKernel", 20, 5, tid=5, correlation=2),
+              X("kernel", "a", 0, 10, tid=9, correlation=1), X("kernel", "gemm", 60, 10, tid=9, correlation=2)]
+    assert trace_gaps.analyse(events)["by_launch"] == {("backward of MmBackward0", "aten::mm"): [50.0, 1]}
+
+
 def test_a_kernel_without_its_launch_in_the_trace_is_counted_and_said_so():
     events = [X("kernel", "a", 0, 10, tid=9, correlation=1), X("kernel", "b", 50, 10, tid=9, correlation=2)]
     result = trace_gaps.analyse(events)
