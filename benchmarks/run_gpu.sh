@@ -26,7 +26,8 @@
 #   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
 #                                        #   agent rollout, the caching allocator off (issue 27; no CUDA graphs then:
 #                                        #   capture cannot cudaMalloc) -> $EXP/sanitize.txt; SANITIZE_AGENT=0
-#                                        #   SANITIZE_TESTS_S=540: the tests alone, with more time
+#                                        #   SANITIZE_TESTS_S=540: the tests alone, with more time; SANITIZE_TESTS_S=0:
+#                                        #   the rollout alone
 #   bash benchmarks/run_gpu.sh engine_check  # 1 GPU: greedy tokens of the engine against the transformers path
 #   bash benchmarks/run_gpu.sh driver256 4 8  # 1 GPU: the driver vs the engine at 256 episodes only (5 runs, no
 #                                        # generate), with its env work in 4, then 8 processes (FIRST_STEP=10: steps
@@ -101,14 +102,16 @@ case "${1:-}" in
     fi
     command -v compute-sanitizer > /dev/null || { echo "sanitize: no compute-sanitizer on this machine" >&2; exit 3; }
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1 MT_ENV_TEST_DEVICE=cuda MT_ENV_TEST_TIMEOUT_SCALE=10
-    { timeout "${SANITIZE_TESTS_S:-330}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
-        tests/test_triton_attention.py tests/test_prefix_cache.py -q -p no:cacheprovider; echo "memcheck tests rc=$?"
+    { if [ "${SANITIZE_TESTS_S:-330}" != 0 ]; then  # SANITIZE_TESTS_S=0: the agent rollout alone
+        timeout "${SANITIZE_TESTS_S:-330}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest \
+          tests/test_triton_attention.py tests/test_prefix_cache.py -v -p no:cacheprovider; echo "memcheck tests rc=$?"
+      fi
       if [ "${SANITIZE_AGENT:-1}" = 1 ]; then  # SANITIZE_AGENT=0: the tests alone (SANITIZE_TESTS_S=540 for them)
         timeout 220 compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/bench_agent.py \
           --device cuda --workloads B --scale 0.1 --no-cuda-graphs --out "$EXP/agent_sanitized.json"
         echo "memcheck agent B rc=$?"
       fi; } > "$EXP/sanitize.txt" 2>&1
-    grep -E "ERROR SUMMARY|rc=|passed|failed" "$EXP/sanitize.txt" | tail -8 ;;
+    grep -E "ERROR SUMMARY|rc=|passed|failed|PASSED|FAILED" "$EXP/sanitize.txt" | tail -30 ;;
   engine_check)  # an experiment: the engine's greedy tokens against the transformers path (docs/engine.md's table)
     timeout 500 python3 benchmarks/gpu_engine_check.py --quick --out "$EXP/gpu_engine_check.json" 2>&1 | tail -20
     echo "gpu_engine_check rc=${PIPESTATUS[0]}" ;;
