@@ -42,7 +42,8 @@ def load(path: str | Path) -> list[dict]:
 
 def enclosing(events: list[dict], times: list[tuple[float, int]]) -> dict[int, list[dict]]:
     """For each (time, key) of one host thread, the events of that thread running at that time, outermost first.
-    Events of one thread nest (an op inside a Python call inside another); one sweep over both sorted lists."""
+    Events of one thread nest (an op inside a Python call inside another), mostly; one sweep over both sorted
+    lists."""
     events = sorted(events, key=lambda e: (e["ts"], -e.get("dur", 0)))
     stack: list[dict] = []
     out, i = {}, 0
@@ -54,7 +55,9 @@ def enclosing(events: list[dict], times: list[tuple[float, int]]) -> dict[int, l
             i += 1
         while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) < t:
             stack.pop()
-        out[key] = list(stack)
+        # a trace's events do not always nest (a Python call recorded as ending after the op it called): keep only
+        # those that contain t, so an ended caller left under a longer callee is not reported as running
+        out[key] = [e for e in stack if t <= e["ts"] + e.get("dur", 0)]
     return out
 
 

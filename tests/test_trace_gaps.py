@@ -107,3 +107,8 @@ def test_phases_are_the_main_threads_outermost_calls_of_ours_under_main():
     assert result["phases"] == {"trainers/rollouts.py(5): play": [900.0, 200.0],
                                 "trainers/ppo.py(392): update": [1500.0, 300.0]}
     assert "trainers/rollouts.py(5): play" in trace_gaps.report(result)
+
+
+def test_a_caller_recorded_as_ending_before_its_callee_is_not_reported_after_its_end():
+    caller, callee = X("python_function", "a.py(1): f", 0, 100), X("cpu_op", "aten::mm", 10, 490)
+    assert trace_gaps.enclosing([caller, callee], [(50, 0), (300, 1)]) == {0: [caller, callee], 1: [callee]}
