@@ -183,12 +183,14 @@ def parameter_count(cfg) -> int:
 
 
 def report_profile(profile_dir: Path, keep: str | None) -> None:
-    """Print `trace_gaps`'s report of each trace the profiled step wrote (one per process); copy them to `keep`."""
+    """Copy each trace the profiled step wrote (one per process) to `keep`, then print `trace_gaps`'s report of it
+    (copied first: a whole step's trace takes minutes to analyse, and a time limit may end the run meanwhile)."""
     for trace in sorted(profile_dir.glob("*.json.gz")):
-        print(f"\n[profile] {trace.name}:\n{trace_gaps.report(trace_gaps.analyse(trace_gaps.load(trace)), 12)}")
         if keep:
             Path(keep).mkdir(parents=True, exist_ok=True)
             shutil.copy(trace, Path(keep) / trace.name)
+            print(f"[profile] {trace.name} ({trace.stat().st_size / 2**20:.1f} MiB) kept in {keep}", flush=True)
+        print(f"\n[profile] {trace.name}:\n{trace_gaps.report(trace_gaps.analyse(trace_gaps.load(trace)), 12)}")
 
 
 def _sync(device: torch.device) -> None:
