@@ -49,7 +49,7 @@ from benchmarks import record, trace_gaps  # noqa: E402
 from trainers import ppo  # noqa: E402
 from trainers.config import load_config  # noqa: E402
 from trainers.modeling import build_causal_lm  # noqa: E402
-from trainers.setup import make_models, make_tokenizer  # noqa: E402
+from trainers.setup import make_models, make_tokenizer, random_init_vocab  # noqa: E402
 
 from bench_update import PEAK_TFLOPS  # noqa: E402
 from mt_env.trajectories import read_metrics  # noqa: E402
@@ -178,7 +178,7 @@ def parameter_count(cfg) -> int:
             lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model.path))
         else:
             lm = build_causal_lm(preset=cfg.model.preset, config=cfg.model.config,
-                                 vocab_size=len(make_tokenizer(cfg)))
+                                 vocab_size=random_init_vocab(cfg, len(make_tokenizer(cfg))))
     return sum(p.numel() for p in lm.parameters())
 
 

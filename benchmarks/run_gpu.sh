@@ -21,6 +21,8 @@
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
 #                                        #   and device-busy time, where the device waited for the host (issue 29)
 #                                        #   -> the report printed, the trace in $EXP/step_trace/
+#   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
+#                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
 #   bash benchmarks/run_gpu.sh exact_matmul  # 1 GPU: exact mode's matmul alone at the 0.5B's weight shapes under
 #                                        #   several tiles, against cuBLAS (issue 28) -> $EXP/exact_matmul.json
 #   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
@@ -84,6 +86,11 @@ case "${1:-}" in
     timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
       --steps 5 --profile-step 5 --trace-dir "$EXP/step_trace" 2>&1 | grep -v "Warn\|warn" | tail -45
     echo "bench_rl_step profile rc=${PIPESTATUS[0]}" ;;
+  step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
+    # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
+    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
+      --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
+    echo "bench_rl_step vocab 151665 rc=${PIPESTATUS[0]}" ;;
   update)
     timeout 280 python3 benchmarks/bench_update.py --device cuda --iters 3 --also-micro-tokens 32768 8192 2>&1 | tail -22
     echo "bench_update rc=${PIPESTATUS[0]}" ;;
@@ -153,6 +160,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|exact_step|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|exact_step|step_vocab|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac

@@ -15,6 +15,7 @@ Analysis read it), and a trace saved on a GPU machine can be analysed again anyw
 from __future__ import annotations
 
 import argparse
+import functools
 import gzip
 import json
 import re
@@ -102,16 +103,20 @@ def phases(events: list[dict]) -> list[tuple[float, float, str]]:
     if not ours:
         return []
     main_tid = max(ours, key=lambda e: e.get("dur", 0)).get("tid")
-    stack: list[dict] = []
-    out = []
+    frame_of = functools.lru_cache(maxsize=None)(lambda name: (m := OUR_FRAME.search(name)) and m.group(1))
+    stack: list[tuple[float, bool]] = []  # (end, whether it is a frame of ours other than a `main`) per open call
+    inner, out = 0, []  # inner: how many of the stack's calls are frames of ours other than a `main`
     for e in sorted((e for e in calls if e.get("tid") == main_tid), key=lambda e: (e["ts"], -e.get("dur", 0))):
-        while stack and stack[-1]["ts"] + stack[-1].get("dur", 0) <= e["ts"]:  # ended: not a caller of e
-            stack.pop()
-        ours = [m.group(1) for x in stack for m in [OUR_FRAME.search(x["name"])] if m]
-        m = OUR_FRAME.search(e["name"])
-        if m and not m.group(1).endswith(": main") and all(f.endswith(": main") for f in ours):
-            out.append((e["ts"], e["ts"] + e.get("dur", 0), m.group(1)))
-        stack.append(e)
+        while stack and stack[-1][0] <= e["ts"]:  # ended: not a caller of e
+            inner -= stack.pop()[1]
+        frame = frame_of(e["name"])
+        is_inner = bool(frame) and not frame.endswith(": main")
+        if is_inner and not inner:
+            out.append((e["ts"], e["ts"] + e.get("dur", 0), frame))
+        # a callee ends by its caller's end: some events (a pybind11 method's) are recorded as running to the
+        # trace's end, and left so they would keep their caller "open" under them
+        stack.append((min(e["ts"] + e.get("dur", 0), stack[-1][0] if stack else float("inf")), is_inner))
+        inner += is_inner
     return out
 
 

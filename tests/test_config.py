@@ -38,6 +38,33 @@ def test_bundled_recipes_load_and_validate():
         load_config(name)
 
 
+def test_a_random_init_model_keeps_its_real_vocabulary_and_never_samples_beyond_the_tokenizer():
+    """A preset's random-init model has the real model's embedding rows (Qwen2.5: 151,936 for 151,665 ids: aligned
+    LM-head matmuls); a model without its own size gets the tokenizer's; the padding rows are not actions."""
+    from trainers.setup import make_models, make_tokenizer, random_init_vocab
+
+    assert random_init_vocab(load_config("gsm8k_smoke_random_0.5b.yaml"), 151_665) == 151_936
+    assert random_init_vocab(load_config("gsm8k_qwen2.5_7b_lora.yaml"), 151_665) == 152_064
+    assert random_init_vocab(load_config("gsm8k_smoke_random_0.5b.yaml"), 200_000) == 200_000  # too small: grown
+    quick = load_config("quickstart.yaml", ["device=cpu"])
+    tokenizer = make_tokenizer(quick)
+    assert random_init_vocab(quick, len(tokenizer)) == len(tokenizer)  # no size of its own: the tokenizer's
+    padded = load_config("quickstart.yaml", ["device=cpu", f"model.config.vocab_size={len(tokenizer) + 37}"])
+    lm, _ = make_models(padded, tokenizer, torch.device("cpu"), critic=False)
+    assert lm.get_input_embeddings().num_embeddings == len(tokenizer) + 37
+    with torch.no_grad():  # make the padding rows the likeliest tokens: the policy still scores only real ids
+        lm.get_output_embeddings().weight[len(tokenizer):] = 5.0
+    from trainers.modeling import PolicyModel
+
+    policy = PolicyModel(lm, vocab_limit=len(tokenizer))
+    ids = torch.randint(0, len(tokenizer), (1, 12))
+    logprobs, _ = policy(ids, torch.ones_like(ids, dtype=torch.float32))
+    assert torch.isfinite(logprobs).all() and (logprobs <= 0).all()
+    full = torch.log_softmax(lm(ids).logits[0, :-1].float(), -1)[:, :len(tokenizer)]
+    expected = (full - torch.logsumexp(full, -1, keepdim=True)).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(logprobs.reshape(-1)[-11:], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_config_errors_are_clear():
     with pytest.raises(ConfigError, match=r"unknown config key 'trainer.lrr' \(did you mean trainer.lr\?\)"):
         load_config("quickstart.yaml", ["trainer.lrr=1e-6"])

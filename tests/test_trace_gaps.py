@@ -112,3 +112,16 @@ def test_phases_are_the_main_threads_outermost_calls_of_ours_under_main():
 def test_a_caller_recorded_as_ending_before_its_callee_is_not_reported_after_its_end():
     caller, callee = X("python_function", "a.py(1): f", 0, 100), X("cpu_op", "aten::mm", 10, 490)
     assert trace_gaps.enclosing([caller, callee], [(50, 0), (300, 1)]) == {0: [caller, callee], 1: [callee]}
+
+
+def test_a_callee_recorded_as_running_to_the_traces_end_does_not_hide_the_phases_after_its_caller():
+    """torch.profiler records some pybind11 methods as never ending: their caller's phase still ends with it."""
+    events = [
+        X("python_function", "trainers/ppo.py(87): main", 0, 10_000),
+        X("python_function", "trainers/ppo.py(337): score", 100, 400),
+        X("python_function", "<built-in method redispatch_boxed of pybind11 object>", 200, 9_800),
+        X("python_function", "trainers/ppo.py(395): update", 600, 1000),
+        X("python_function", "trainers/ppo.py(538): save_checkpoint", 2000, 500),
+    ]
+    assert [frame for _, _, frame in trace_gaps.phases(events)] == [
+        "trainers/ppo.py(337): score", "trainers/ppo.py(395): update", "trainers/ppo.py(538): save_checkpoint"]

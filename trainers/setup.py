@@ -179,14 +179,26 @@ def eval_tasks(cfg: Config, env: ToolEnv) -> list[dict]:
 
 
 # --------------------------------------------------------------------------------------------- models
+def random_init_vocab(cfg: Config, tokens: int) -> int:
+    """The embedding rows of a random-init model for a tokenizer of `tokens` ids: the preset's (or
+    ``model.config``'s) own vocabulary size where it holds them — the real model's shape, e.g. Qwen2.5's 151,936
+    rows for its tokenizer's 151,665 ids — else exactly `tokens`. The rows beyond the tokenizer are never sampled
+    nor scored (the backend's and the policy's ``vocab_limit``). Why keep the padding: an odd row count makes every
+    LM-head matmul unaligned on GPUs: cuBLAS falls back to slow align-1 kernels in the engine's decode and in the
+    trainer's passes (docs/training_speed.md, 2026-12-06)."""
+    from .modeling import PRESETS
+
+    own = (cfg.model.config or {}).get("vocab_size", PRESETS.get(cfg.model.preset or "", {}).get("vocab_size"))
+    return own if own is not None and own >= tokens else tokens
+
+
 def make_models(cfg: Config, tokenizer, device: torch.device, critic: bool = True):
     """(policy LM, critic or None: PPO's, unless `critic` is false). Random init is seeded by `cfg.seed`, so runs
-    repeat. A random-init model gets exactly the tokenizer's vocabulary (padding rows could be sampled and are not
-    tokens)."""
+    repeat; its vocabulary is `random_init_vocab`'s."""
     from .modeling import CriticModel
 
     dtype = DTYPES[cfg.model.dtype]
-    vocab = None if cfg.model.path else len(tokenizer)
+    vocab = None if cfg.model.path else random_init_vocab(cfg, len(tokenizer))
     lm = build_causal_lm(path=cfg.model.path, preset=cfg.model.preset, config=cfg.model.config, vocab_size=vocab,
                          dtype=dtype, seed=cfg.seed, attn_implementation=cfg.model.attn_implementation)
     if len(tokenizer) > lm.config.vocab_size:
