@@ -214,6 +214,10 @@ def test_a_checkpoint_loads_into_a_model_of_its_shape_only(tmp_path, tie):
     with pytest.raises(RuntimeError, match=rf"^{where} does not match its config.json: missing \[\], "
                                            rf"unexpected \['model.layers.1.input_layernorm.weight'"):
         checkpoints.load_policy_weights(model(num_hidden_layers=1), checkpoint, "its config.json")
+    rows = trained.config.vocab_size  # e.g. a random-init run saved before its preset's vocabulary was kept
+    with pytest.raises(RuntimeError, match=rf"^{where} has an embedding of {rows} rows but the recipe's model builds "
+                                           rf"{rows + 7}: build it with --set model.config.vocab_size={rows}$"):
+        checkpoints.load_policy_weights(model(vocab_size=rows + 7), checkpoint, "the recipe's model")
     if tie:  # an untied model would keep its random output layer
         with pytest.raises(RuntimeError, match=rf"^{where} does not match the recipe's model: missing "
                                                rf"\['lm_head.weight'\], unexpected \[\]$"):
