@@ -61,6 +61,10 @@ fi
 RESULTS=${MT_ENV_RESULTS:-benchmarks/results}  # where bench_scaling reads its earlier report
 EXP=$(mkdir -p "${EXP:-/tmp/mt_env_experiments}" && realpath "${EXP:-/tmp/mt_env_experiments}")  # also from ab256's DIR
 
+rl_step() {  # the smoke recipe's RL step as the record runs it (compiled layers, 32k-token micro-batches), and "$@"
+  timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 "$@"
+}
+
 rollout256() {  # code dir, env processes, first step, name: the driver vs the engine at 256 episodes, 5 runs
   (cd "$1" && timeout 170 python3 benchmarks/bench_rollout.py --model qwen2.5-0.5b --device cuda --batch 256 \
     --new-tokens 128 --env-processes "$2" --repeats 5 --first-step "$3" --no-hf-static --out "$EXP/$4.json" 2>&1 \
@@ -80,16 +84,13 @@ case "${1:-}" in
       --new-tokens 128 --env-processes 8 --repeats 5 2>&1 | grep -v "Warn\|warn" | tail -24
     echo "bench_rollout rc=${PIPESTATUS[0]}" ;;
   step1)  # the first step of a process compiles the trainer's scoring function (~60 s on a fresh machine)
-    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
-      2>&1 | tail -12; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
+    rl_step 2>&1 | tail -12; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
   step_profile)  # an experiment: steps 1-4 as step1's run, step 5 profiled (left out of the medians; no record)
-    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
-      --steps 5 --profile-step 5 --trace-dir "$EXP/step_trace" 2>&1 | grep -v "Warn\|warn" | tail -45
+    rl_step --steps 5 --profile-step 5 --trace-dir "$EXP/step_trace" 2>&1 | grep -v "Warn\|warn" | tail -45
     echo "bench_rl_step profile rc=${PIPESTATUS[0]}" ;;
   step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
     # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
-    timeout 300 python3 benchmarks/bench_rl_step.py --set trainer.compile=true --set trainer.micro_batch_tokens=32768 \
-      --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
+    rl_step --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
     echo "bench_rl_step vocab 151665 rc=${PIPESTATUS[0]}" ;;
   update)
     timeout 280 python3 benchmarks/bench_update.py --device cuda --iters 3 --also-micro-tokens 32768 8192 2>&1 | tail -22

@@ -201,12 +201,13 @@ def load_policy_weights(lm, checkpoint: Path, model_from: str, state: dict | Non
     them, and the base it was built with stays). `state`: the checkpoint's `policy_state_dict`, when the caller has
     read it already."""
     state = policy_state_dict(checkpoint) if state is None else state
-    embed = next(n for n, p in lm.named_parameters(remove_duplicate=False) if p is lm.get_input_embeddings().weight)
+    embedding = lm.get_input_embeddings()
+    embed = next(n for n, p in lm.named_parameters(remove_duplicate=False) if p is embedding.weight)
     if lm.config.tie_word_embeddings and "lm_head.weight" in state:  # loaded, it would overwrite the embeddings
         if embed in state and not state["lm_head.weight"].equal(state[embed]):
             raise RuntimeError(f"{checkpoint} has an output layer of its own; {model_from} ties it to the "
                                f"embeddings")
-    rows = lm.get_input_embeddings().num_embeddings
+    rows = embedding.num_embeddings
     if embed in state and len(state[embed]) != rows:  # e.g. a random-init run from before its preset's vocabulary
         raise RuntimeError(f"{checkpoint} has an embedding of {len(state[embed])} rows but {model_from} builds "
                            f"{rows}: build it with --set model.config.vocab_size={len(state[embed])}")

@@ -36,6 +36,13 @@ PRESETS: dict[str, dict] = {
 }
 
 
+def declared_config(preset: str | None, config: dict | None) -> dict:
+    """The config a random-init model declares: the `preset`'s keys, overridden by `config`'s."""
+    if preset and preset not in PRESETS:
+        raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)} or give a path")
+    return {**PRESETS.get(preset or "", {}), **(config or {})}
+
+
 def build_causal_lm(path: str | None = None, preset: str | None = None, config: dict | None = None,
                     vocab_size: int | None = None, dtype: torch.dtype = torch.float32, seed: int = 0,
                     attn_implementation: str = "sdpa"):
@@ -47,10 +54,7 @@ def build_causal_lm(path: str | None = None, preset: str | None = None, config: 
     if path:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
                                                     attn_implementation=_registered(attn_implementation))
-    if preset and preset not in PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose from {sorted(PRESETS)} or give a path")
-    kwargs = dict(PRESETS.get(preset, {}))
-    kwargs.update(config or {})
+    kwargs = declared_config(preset, config)
     if vocab_size is not None:
         kwargs["vocab_size"] = vocab_size
     model_type = kwargs.pop("model_type", "qwen2")

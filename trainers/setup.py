@@ -186,9 +186,9 @@ def random_init_vocab(cfg: Config, tokens: int) -> int:
     nor scored (the backend's and the policy's ``vocab_limit``). Why keep the padding: an odd row count makes every
     LM-head matmul unaligned on GPUs: cuBLAS falls back to slow align-1 kernels in the engine's decode and in the
     trainer's passes (docs/training_speed.md, 2026-12-06)."""
-    from .modeling import PRESETS
+    from .modeling import declared_config
 
-    own = (cfg.model.config or {}).get("vocab_size", PRESETS.get(cfg.model.preset or "", {}).get("vocab_size"))
+    own = declared_config(cfg.model.preset, cfg.model.config).get("vocab_size")
     return own if own is not None and own >= tokens else tokens
 
 
