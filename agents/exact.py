@@ -18,13 +18,13 @@ thread-local `TorchFunctionMode`): the engine's layer functions and the trainer'
 module's own code, adapters (LoRA) included, with exact operations. The trainer's attention goes through
 `sequence_attention` (`trainers.modeling` passes the layout). On CUDA, where Triton imports, `linear` and `attention`
 run `agents.triton_exact`'s kernels (`_kernels`: the one switch, by device alone, so the engine and the trainer
-always take the same path); the torch versions here are the CPU path. Why each choice: docs/exact.md.
+always take the same path); the torch versions here are the CPU path. There both sides also run the decoder layers
+compiled by Inductor (`compiles_layers`), the kernels opaque custom ops in the graph. Why each choice: docs/exact.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from dataclasses import dataclass
 
@@ -42,26 +42,42 @@ QUERY_TILE = 16
 
 #: set to 1 to run the Triton kernels on CPU too (under ``TRITON_INTERPRET=1``: a slow check of the CUDA path's logic)
 KERNELS_ON_CPU = "MT_ENV_EXACT_TRITON_ON_CPU"
+_ON_CPU = os.environ.get(KERNELS_ON_CPU) == "1"
+#: where the kernels run (CUDA), the decoder layers run compiled by Inductor on both sides (`compiles_layers`); False
+#: runs them eagerly (an experiment: `benchmarks/bench_exact.py --eager`). Read when an engine or a policy is made.
+COMPILE_LAYERS = True
+_TRITON = None  #: `agents.triton_exact` once loaded (`_load_kernels`), False where Triton does not import
+
+
+def _load_kernels():
+    global _TRITON
+    if _TRITON is None:
+        try:
+            from . import triton_exact
+            _TRITON = triton_exact
+        except ImportError:  # a torch build without Triton: the torch versions, slower but exact
+            _TRITON = False
+    return _TRITON or None
 
 
 def _kernels(t: torch.Tensor):
     """`agents.triton_exact` when `t` is on CUDA (or `KERNELS_ON_CPU` is set) and Triton imports, else None (the
-    torch versions below)."""
-    return _triton_exact() if t.device.type == "cuda" or _kernels_on_cpu() else None
-
-
-@functools.cache
-def _kernels_on_cpu() -> bool:
-    return os.environ.get(KERNELS_ON_CPU) == "1"
-
-
-@functools.cache
-def _triton_exact():
-    try:
-        from . import triton_exact
-    except ImportError:  # a torch build without Triton: the torch versions, slower but exact
+    torch versions below). (No import and no cache wrapper here: compiled layers trace this; `ops` loads first.)"""
+    if t.device.type != "cuda" and not _ON_CPU:
         return None
-    return triton_exact
+    if _TRITON is None:
+        return _load_kernels()
+    return _TRITON or None
+
+
+def compiles_layers(device: torch.device) -> bool:
+    """Whether exact mode runs the decoder layers compiled by Inductor on `device`: where the Triton kernels run
+    (CUDA), unless `COMPILE_LAYERS` is off. The engine (its layer functions) and the trainer (`compile_layers`) both
+    ask this, so both run the same code: Inductor rounds bf16 where eager does (``emulate_precision_casts``), but its
+    arithmetic (exp, rsqrt, fused multiply-adds) is its own, the same in every graph. Embeddings, RoPE tables, the
+    final norm, the LM head and the log-softmax stay eager on both sides. CPU: eager (Inductor's C++ would give a
+    vectorised body and a scalar tail different bits)."""
+    return COMPILE_LAYERS and torch.device(device).type == "cuda" and _load_kernels() is not None
 
 
 def tree_sum(x: torch.Tensor, dim: int = -1, keepdim: bool = False) -> torch.Tensor:
@@ -211,11 +227,16 @@ def _key_blocks(k: torch.Tensor, v: torch.Tensor, k_len: torch.Tensor) -> tuple[
 @dataclass(frozen=True)
 class Sequences:
     """Where the sequences of a [B, T] batch (padded or packed) lie: `index` [S, L] flat token indices of each
-    sequence's positions 0..L-1 (clamped past its end), `valid` [S, L], `lengths` [S]."""
+    sequence's positions 0..L-1 (clamped past its end), `valid` [S, L], `lengths` [S]; and back, each flat token's
+    sequence `seq` and position `pos` [B * T] (0 for a token of none: `real` [B * T] False). Every shape is set by
+    the inputs' (no boolean indexing where the attention runs: compiled layers trace it whole)."""
 
     index: torch.Tensor
     valid: torch.Tensor
     lengths: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+    real: torch.Tensor
 
 
 def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
@@ -232,7 +253,7 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     index = (starts.nonzero().squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
     if not (torch.equal(pos[index[valid]], offsets.expand_as(index)[valid]) and bool(real[index[valid]].all())):
         raise ValueError("exact attention needs each sequence's real tokens in a run with positions 0, 1, 2, ...")
-    return Sequences(index, valid, lengths)
+    return Sequences(index, valid, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real)
 
 
 def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Sequences,
@@ -248,9 +269,8 @@ def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     S, L = layout.index.shape
     q_pos = torch.arange(L, device=query.device).expand(S, L)
     out = attention(per_sequence(query), per_sequence(key), per_sequence(value), q_pos, layout.lengths, scale)
-    flat = out.to(query.dtype).transpose(1, 2)[layout.valid]  # [tokens, heads, d]
-    placed = query.new_zeros(B * T, heads, d).index_put((layout.index[layout.valid],), flat)
-    return placed.reshape(B, T, heads, d)
+    flat = out.to(query.dtype).transpose(1, 2)[layout.seq, layout.pos]  # [B * T, heads, d]: each token's own row
+    return torch.where(layout.real[:, None, None], flat, flat.new_zeros(())).reshape(B, T, heads, d)
 
 
 # --------------------------------------------------------------------------------------------- the mode
@@ -280,4 +300,7 @@ def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
 def ops(on: bool = True):
     """A context in which the module's linears, SiLU and RMSNorm's mean run as exact operations (a no-op context
     when not `on`)."""
-    return _ExactOps() if on else contextlib.nullcontext()
+    if not on:
+        return contextlib.nullcontext()
+    _load_kernels()
+    return _ExactOps()

@@ -6,7 +6,7 @@ attention pick their split of the key axis from the batch and the lengths, so a 
 share its call. Batch invariance needs one configuration, fixed in the code, whatever the shapes of the call.
 
 * `matmul`: each program owns one [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating
-  in float32 (no split-K, no autotune). An output element is accumulated in the same order by the same instructions
+  in float32 (no split-K, no autotune); programs go down M first, so a weight tile is read from memory once. An output element is accumulated in the same order by the same instructions
   wherever its row sits in its tile (rows past M are masked zeros that feed no other row): a row's bits depend on its
   own values only. The tile is fixed per dtype (`MATMUL_CONFIGS`), but a bf16 call of at most `SMALL_M` rows takes
   a smaller one with the same BLOCK_K (`SMALL_M_CONFIGS`): the same bits where the MMA instructions agree across tile
@@ -37,10 +37,10 @@ import triton.language as tl
 MATMUL_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
                   torch.float32: (64, 64, 32, 4, 3)}
 #: the tile of a call of at most `SMALL_M` rows, where the large one leaves most of the GPU idle (decode: at 32 rows
-#: a 896-wide output is 7 programs of 128 x 128); its BLOCK_K must be the large tile's (docs/exact.md, "The matmul's
-#: tile": 2x faster at M = 32 on the 0.5B's qkv, o and down weights, H100)
+#: a 896-wide output is 7 programs of 128 x 128, at 256 rows 14); its BLOCK_K must be the large tile's (docs/exact.md,
+#: "The matmul's tile": 2x faster at M = 32 on the 0.5B's qkv, o and down weights, H100)
 SMALL_M_CONFIGS = {torch.bfloat16: (64, 32, 64, 4, 4)}
-SMALL_M = 64
+SMALL_M = 256
 assert all(cfg[2] == MATMUL_CONFIGS[dtype][2] for dtype, cfg in SMALL_M_CONFIGS.items())
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64
@@ -55,8 +55,9 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                    STATIC_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tiles_m = tl.cdiv(M, BLOCK_M)  # programs in a row walk down M first: consecutive ones read one weight tile (L2)
+    rn = (tl.program_id(0) // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = (tl.program_id(0) % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, STATIC_K if INTERPRETED else K, BLOCK_K):  # K in order, from 0: the only reduction order
@@ -77,30 +78,43 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for `x` [M, K] and `weight` [N, K] of one dtype (bfloat16, float16 or float32), float32
     accumulation, in x's dtype: a row's bits do not depend on M or on the row's place among the others.
     Differentiable (the backward is torch's: gradients are not compared bit for bit)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _Matmul.apply(x, weight)
+    return torch.ops.mt_env.exact_matmul(x, weight)
+
+
+@torch.library.custom_op("mt_env::exact_matmul", mutates_args=())
+def _matmul_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _matmul(x, weight)
 
 
-class _Matmul(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return _matmul(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return (grad @ weight if ctx.needs_input_grad[0] else None,
-                grad.t() @ x if ctx.needs_input_grad[1] else None)
+@_matmul_op.register_fake
+def _(x, weight):
+    _check_matmul(x, weight)
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
+
+
+def _matmul_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    return (grad @ weight if ctx.needs_input_grad[0] else None,
+            grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+
+_matmul_op.register_autograd(_matmul_backward, setup_context=_save_inputs)
+
+
+def _check_matmul(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"exact matmul: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     if x.dtype != weight.dtype or x.dtype not in MATMUL_CONFIGS:
         raise ValueError(f"exact matmul: x and weight of one dtype of {list(MATMUL_CONFIGS)}, got {x.dtype} and "
                          f"{weight.dtype}")
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check_matmul(x, weight)
     (M, K), N = x.shape, weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if M == 0 or N == 0:
@@ -114,7 +128,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: tuple) -> torch.Tensor:
     (M, K), N = x.shape, weight.shape[0]
     block_m, block_n, block_k, warps, stages = config
-    grid = (triton.cdiv(N, block_n), triton.cdiv(M, block_m))
+    grid = (triton.cdiv(N, block_n) * triton.cdiv(M, block_m),)
     _matmul_kernel[grid](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
                          out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                          IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
@@ -194,27 +208,46 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     (0 for a query that sees no key). `k` and `v` are read in q's dtype (bfloat16, float16 or float32).
     Differentiable: the backward recomputes the attention with SDPA under the same mask (gradients are not compared
     bit for bit)."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Attention.apply(q, k, v, q_pos, k_len, scale)
+    return torch.ops.mt_env.exact_attention(q, k, v, q_pos, k_len, scale)
+
+
+@torch.library.custom_op("mt_env::exact_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
+                  scale: float) -> torch.Tensor:
     return _attention(q, k, v, q_pos, k_len, scale)
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_len, scale):
-        ctx.save_for_backward(q, k, v, q_pos, k_len)
-        ctx.scale = scale
-        return _attention(q, k, v, q_pos, k_len, scale)
+@_attention_op.register_fake
+def _(q, k, v, q_pos, k_len, scale):
+    _check_attention(q, k, v)
+    return q.new_empty(q.shape, dtype=torch.float32)
 
-    @staticmethod
-    def backward(ctx, grad):
-        saved = ctx.saved_tensors
-        inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:3], ctx.needs_input_grad[:3])]
-        with torch.enable_grad():
-            out = _reference(*inputs, *saved[3:], ctx.scale)
-        wanted = [t for t in inputs if t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+def _attention_setup(ctx, inputs, output):
+    _save_inputs(ctx, inputs, output)
+    ctx.scale = inputs[-1]
+
+
+def _attention_backward(ctx, grad):
+    saved = ctx.saved_tensors
+    inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:3], ctx.needs_input_grad[:3])]
+    with torch.enable_grad():
+        out = _reference(*inputs, *saved[3:], ctx.scale)
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
+    return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    S, heads, Tq, d = q.shape
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != S or k.shape[3] != d or heads % k.shape[1]:
+        raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] with kv_heads dividing "
+                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.dtype not in MATMUL_CONFIGS or d < 16:
+        raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 16, got {q.dtype}, {d}")
 
 
 def _reference(q, k, v, q_pos, k_len, scale):
@@ -231,12 +264,8 @@ def _reference(q, k, v, q_pos, k_len, scale):
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
                scale: float) -> torch.Tensor:
+    _check_attention(q, k, v)
     S, heads, Tq, d = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != S or k.shape[3] != d or heads % k.shape[1]:
-        raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] with kv_heads dividing "
-                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if q.dtype not in MATMUL_CONFIGS or d < 16:
-        raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 16, got {q.dtype}, {d}")
     kv_heads, Tk = k.shape[1], k.shape[2]
     q, k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (q, k, v))
     q_pos, k_len = q_pos.to(torch.int32).contiguous(), k_len.to(torch.int32).contiguous()
@@ -269,25 +298,38 @@ def _row_sum_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, STATIC_N
 def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
     """The sum of float32 `x` over its last dimension, in an order set by that dimension's length alone (a row's bits
     do not depend on the other rows). Differentiable."""
-    if x.dtype != torch.float32:
-        raise ValueError(f"exact row_sum: float32 in, got {x.dtype}")
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _RowSum.apply(x, keepdim)
+    return torch.ops.mt_env.exact_row_sum(x, keepdim)
+
+
+@torch.library.custom_op("mt_env::exact_row_sum", mutates_args=())
+def _row_sum_op(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
     return _row_sum(x, keepdim)
 
 
-class _RowSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, keepdim):
-        ctx.shape, ctx.keepdim = x.shape, keepdim
-        return _row_sum(x, keepdim)
+@_row_sum_op.register_fake
+def _(x, keepdim):
+    _check_row_sum(x)
+    return x.new_empty(*x.shape[:-1], *((1,) if keepdim else ()))
 
-    @staticmethod
-    def backward(ctx, grad):
-        return (grad if ctx.keepdim else grad.unsqueeze(-1)).expand(ctx.shape), None
+
+def _row_sum_setup(ctx, inputs, output):
+    ctx.shape, ctx.keepdim = inputs[0].shape, inputs[1]
+
+
+def _row_sum_backward(ctx, grad):
+    return (grad if ctx.keepdim else grad.unsqueeze(-1)).expand(ctx.shape), None
+
+
+_row_sum_op.register_autograd(_row_sum_backward, setup_context=_row_sum_setup)
+
+
+def _check_row_sum(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32:
+        raise ValueError(f"exact row_sum: float32 in, got {x.dtype}")
 
 
 def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+    _check_row_sum(x)
     n = x.shape[-1]
     rows = x.reshape(-1, n) if n else x.reshape(-1, 1)
     if rows.stride(-1) != 1:

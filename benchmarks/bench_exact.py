@@ -3,10 +3,13 @@ old-logprob pass with exact mode off and on, in one process on the same prompts,
 mismatch of each (0.0 in exact mode).
 
 1. Engine: `--batch` prompts of mixed lengths (up to `--prompt`) sampled to `--new-tokens` tokens each through
-   `HFBackend` (the paged engine; on CUDA compiled and in CUDA graphs when off, uncompiled when on); tok/s = sampled
-   tokens / seconds, the best of `--repeats` after a warm-up.
-2. Trainer: `trainers.ppo.score` over those rollouts (packed, micro-batches of `--micro-tokens` tokens), in tokens of
-   the batch per second, the best of `--repeats`.
+   `HFBackend` (the paged engine; on CUDA in CUDA graphs, compiled as each mode compiles); tok/s = sampled tokens /
+   seconds, the best of `--repeats` after a warm-up.
+2. Trainer: `trainers.ppo.score` over those rollouts (packed, micro-batches of `--micro-tokens` tokens, on CUDA the
+   layers compiled as the RL step's record runs them), in tokens of the batch per second, the best of `--repeats`.
+
+On CUDA a third mode, ``on_eager``, runs exact mode with its layers uncompiled (`agents.exact.COMPILE_LAYERS` off,
+a copy of the model made before any compilation): what compiling them gains, in the same run.
 
 Goals (issue 28, H200, 0.5B shape): exact costs <= 1.3x the engine's time and <= 1.2x the update's.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import sys
 import time
 from pathlib import Path
@@ -37,7 +41,8 @@ from mt_env.batch import TrainBatch, collate  # noqa: E402
 from mt_env.sample import Sample  # noqa: E402
 from trainers import algos  # noqa: E402
 from trainers.config import Config  # noqa: E402
-from trainers.modeling import PolicyModel, build_causal_lm  # noqa: E402
+from agents import exact  # noqa: E402
+from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
 from trainers.ppo import Models, score  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -128,21 +133,32 @@ def main(argv=None) -> dict:
     prompts = prompts_of(args, lm.config.vocab_size)
     figures = {"model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
                "threads": torch.get_num_threads()}
-    for mode, on in (("off", False), ("on", True)):
-        seconds, turns = engine_run(lm, prompts, args, on)
+    modes = [("off", lm, False), ("on", lm, True)]
+    if exact.compiles_layers(device):
+        modes.append(("on_eager", copy.deepcopy(lm), True))  # copied before any layer is compiled
+        compile_layers(lm)  # the off trainer pass as the RL step's record runs it
+    for mode, model, on in modes:
+        exact.COMPILE_LAYERS = mode != "on_eager"
+        seconds, turns = engine_run(model, prompts, args, on)
         tokens = sum(len(t.ids) for t in turns)
         batch = batch_of(prompts, turns, device)
-        trainer_s, mismatch = trainer_run(lm, batch, args, on)
+        trainer_s, mismatch = trainer_run(model, batch, args, on)
         figures[f"engine_tok_s_{mode}"] = tokens / seconds
         figures[f"trainer_tok_s_{mode}"] = int(batch.attention_mask.sum()) / trainer_s
         figures[f"mismatch_abs_max_{mode}"] = mismatch.get("mismatch/logprob_abs_max")
-        print(f"exact {mode:>3}: engine {tokens / seconds:10.1f} tok/s | trainer old-logprob pass "
+        print(f"exact {mode:>8}: engine {tokens / seconds:10.1f} tok/s | trainer old-logprob pass "
               f"{figures[f'trainer_tok_s_{mode}']:10.1f} tok/s | mismatch abs max "
               f"{figures[f'mismatch_abs_max_{mode}']}")
+    exact.COMPILE_LAYERS = True
     figures["engine_cost_x"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on"]
     figures["trainer_cost_x"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on"]
     print(f"exact mode costs {figures['engine_cost_x']:.2f}x the engine's time, {figures['trainer_cost_x']:.2f}x "
           f"the trainer pass's")
+    if "engine_tok_s_on_eager" in figures:
+        figures["engine_cost_x_eager"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on_eager"]
+        figures["trainer_cost_x_eager"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on_eager"]
+        print(f"with its layers uncompiled: {figures['engine_cost_x_eager']:.2f}x and "
+              f"{figures['trainer_cost_x_eager']:.2f}x")
     rec.write(figures)
     if args.profile:
         profile_exact(lm, prompts, batch, args, args.profile)

@@ -54,7 +54,7 @@ def weight(name: str, n: int, k: int, gen: torch.Generator, timed: bool = True) 
                cublas_us={m: _bench(lambda: F.linear(xs[m], w)) for m in ROWS} if timed else {})
     print(f"{name} [{n}, {k}]: cuBLAS " + " ".join(f"M={m}: {us:8.1f} us" for m, us in out["cublas_us"].items()),
           flush=True)
-    today = te.matmul(xs[ROWS[1]], w)  # CONFIGS[0] is today's large-M tile (ROWS[1] > SMALL_M)
+    today = te.matmul(xs[ROWS[1]], w)  # today's tile at ROWS[1] rows
     small_tile = te.SMALL_M_CONFIGS[torch.bfloat16]
     for cfg in CONFIGS:  # each configuration for every M: the small-M tile too
         te.MATMUL_CONFIGS[torch.bfloat16] = te.SMALL_M_CONFIGS[torch.bfloat16] = cfg

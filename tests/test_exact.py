@@ -239,6 +239,53 @@ def test_lora_adapters_keep_the_bits_equal():
     assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), micros=(1, 100))
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=4), min_size=1, max_size=4),
+       pad=st.integers(0, 3))
+def test_the_layout_maps_every_real_token_to_its_sequence_and_back(rows, pad):
+    """`exact.sequences` over rows packing sequences of the given lengths, right-padded: each real token's (seq, pos)
+    points back at it through `index`, a padding token is not real, and every shape is the inputs' (no token
+    dropped: what lets compiled layers trace the attention whole)."""
+    width = max(sum(r) for r in rows) + pad
+    position_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, lengths in enumerate(rows):
+        at = 0
+        for n in lengths:
+            position_ids[b, at:at + n], real[b, at:at + n] = torch.arange(n), True
+            at += n
+    layout = exact.sequences(position_ids, real)
+    assert layout.index.shape[0] == sum(len(r) for r in rows) and layout.seq.shape == (len(rows) * width,)
+    flat = torch.arange(len(rows) * width)
+    assert torch.equal(layout.real, real.reshape(-1))
+    assert torch.equal(layout.index[layout.seq, layout.pos][layout.real], flat[layout.real])
+    assert torch.equal(layout.pos[layout.real], position_ids.reshape(-1)[layout.real])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="exact mode compiles its layers on CUDA (MT_ENV_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_both_sides_run_compiled_layers_in_whole_graphs(dtype):
+    """`exact.compiles_layers`: the engine's layer functions and the trainer's decoder layers both run compiled by
+    Inductor (no graph break, no eager fallback), and the bits stay equal, in float32 and in bfloat16."""
+    from torch._dynamo.utils import counters
+
+    model = build(seed=5).to(dtype)
+    prompts = prompts_of(7, seed=11)
+    breaks = sum(counters["graph_break"].values())
+
+    async def main():
+        async with HFBackend(model, seed=0, **ENGINE, exact=True, max_batch_size=4) as backend:
+            turns = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params_of(len(prompts)))))
+            return turns, backend.compile_reason
+
+    turns, reason = asyncio.run(asyncio.wait_for(main(), 300))
+    assert exact.compiles_layers(torch.device(DEVICE)) and reason.startswith("on:"), reason
+    assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), micros=(1, 100))
+    layers = model.model.layers
+    assert all("forward" in vars(layer) for layer in layers)  # `compile_layers` ran
+    assert sum(counters["graph_break"].values()) == breaks, dict(counters["graph_break"])
+
+
 # --------------------------------------------------------------------------------------------- guard and settings
 def test_a_mismatch_in_exact_mode_is_counted_and_logged(model, caplog):
     prompts = prompts_of(3, seed=6)

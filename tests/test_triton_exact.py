@@ -67,9 +67,10 @@ def test_matmul_takes_the_small_tile_for_few_rows_only_where_it_gives_the_same_b
         return launch(x, w, out, cfg)
 
     monkeypatch.setattr(triton_exact, "_launch", recorded)
-    x, w = randn(100, 150, seed=3, dtype=dtype), randn(40, 150, seed=4, dtype=dtype)
+    many = triton_exact.SMALL_M + 44
+    x, w = randn(many, 150, seed=3, dtype=dtype), randn(40, 150, seed=4, dtype=dtype)
     full = triton_exact.matmul(x, w)
-    assert used[-1] == (100, large)
+    assert used[-1] == (many, large)
     agrees = triton_exact._small_tile_agrees(x.device, dtype)
     assert torch.equal(triton_exact.matmul(x[:5], w), full[:5])
     assert used[-1] == (5, small if agrees else large)

@@ -257,6 +257,8 @@ class PolicyModel(nn.Module):
                 temperature: float = 1.0, with_entropy: bool = False):
         backbone = getattr(self.lm, self.lm.base_model_prefix)
         if self.exact:
+            if exact.compiles_layers(input_ids.device):  # as the engine's layer functions (idempotent)
+                compile_layers(self.lm)
             kwargs = _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids)
         else:
             kwargs = _attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids)

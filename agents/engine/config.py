@@ -48,7 +48,8 @@ class EngineConfig:
         overlap_steps: launch each decode step before reading the previous step's tokens.
         exact: exact mode (`agents.exact`, docs/exact.md): each sampled token's logprob equals, bit for bit, the
             trainer's in exact mode. Attention then runs the ``"exact"`` kernel whatever `attention` says, and the
-            passes run uncompiled (`compile` True is refused).
+            layer functions run compiled where `agents.exact.compiles_layers` says (CUDA), as the trainer's layers,
+            whatever `compile` says (True, which would compile on CPU too, is refused).
     """
 
     max_seqs: int = 64
@@ -80,7 +81,8 @@ class EngineConfig:
         if self.compile not in (True, False, "auto"):
             raise ValueError(f"compile must be True, False or 'auto', got {self.compile!r}")
         if self.exact and self.compile is True:
-            raise ValueError("exact mode runs uncompiled: compile=True cannot go with exact=True")
+            raise ValueError("exact mode compiles its layers where the trainer does (agents.exact.compiles_layers): "
+                             "compile=True cannot go with exact=True")
 
     def pool_blocks(self, bytes_per_token: int) -> int:
         """The pool's size in blocks, the null block included, for a model whose KV takes `bytes_per_token`."""

@@ -84,3 +84,6 @@ def prefill_layer(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: tor
 STEP_FUNCTIONS = (step_inputs, decode_layer, head_logits)
 #: every function the engine compiles: the decode step's and the prefill's layer (`head_logits` serves both)
 COMPILED_FUNCTIONS = (*STEP_FUNCTIONS, prefill_layer)
+#: those exact mode compiles (`agents.exact.compiles_layers`): the trainer compiles its decoder layers and nothing
+#: around them, so the embedding, RoPE tables, final norm and LM head stay eager on both sides
+LAYER_FUNCTIONS = (decode_layer, prefill_layer)

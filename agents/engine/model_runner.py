@@ -29,7 +29,7 @@ from .blocks import NULL_BLOCK
 from . import config as knobs
 from .config import EngineConfig
 from .graphs import CudaGraphs
-from .layers import COMPILED_FUNCTIONS, STEP_FUNCTIONS
+from .layers import COMPILED_FUNCTIONS, LAYER_FUNCTIONS, STEP_FUNCTIONS
 from .layout import DecoderLayout, kv_dtype, module_device
 from .sampler import RowSampling, cdf_dtype, sample_tokens, to_device
 
@@ -122,10 +122,14 @@ class ModelRunner:
             stats.setdefault(key, 0)
         device = module_device(model)
         self.exact = config.exact
-        self.compiles = not self.exact and (config.compile is True or (config.compile == "auto"
-                                                                         and device.type == "cuda"))
+        if self.exact:  # the trainer's choice too (`exact.compiles_layers`): its layers compiled, nothing else
+            self.compiles, chosen = exact.compiles_layers(device), LAYER_FUNCTIONS
+        else:
+            self.compiles = config.compile is True or (config.compile == "auto" and device.type == "cuda")
+            chosen = COMPILED_FUNCTIONS
         self.kernel = "exact" if self.exact else _attention_kernel(config.attention, device, layout.head_dim)
-        self._functions = {fn.__name__: compiled(fn) if self.compiles else fn for fn in COMPILED_FUNCTIONS}
+        self._functions = {fn.__name__: compiled(fn) if self.compiles and fn in chosen else fn
+                           for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.graphs = CudaGraphs(device, stats) if config.cuda_graphs and device.type == "cuda" else None
         self._state: _DeviceState | None = None
@@ -423,10 +427,12 @@ class ModelRunner:
         functions = list(self._functions.values())
         if functions == list(COMPILED_FUNCTIONS):
             return "off: eager decode step and prefill"
-        failures = [fn.failure for fn in functions if fn.failure]
+        compiled_functions = [fn for fn in functions if hasattr(fn, "failure")]
+        failures = [fn.failure for fn in compiled_functions if fn.failure]
         if not failures:
-            return "on: decode step and prefill compiled by Inductor"
-        return f"{'off' if len(failures) == len(functions) else 'partly off'}: {'; '.join(failures)}"
+            return ("on: the decode step's and the prefill's layers compiled by Inductor (exact mode)" if self.exact
+                    else "on: decode step and prefill compiled by Inductor")
+        return f"{'off' if len(failures) == len(compiled_functions) else 'partly off'}: {'; '.join(failures)}"
 
     def _capturing(self) -> bool:
         return self.graphs is not None and self.graphs.on
