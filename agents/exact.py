@@ -143,14 +143,18 @@ def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, k_index: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of queries `q` [S, heads, Tq, d] at positions `q_pos` [S, Tq] over keys/values `k`, `v`
     [S, kv_heads, Tk, d] whose index is their position, the first `k_len` [S] of them valid: [S, heads, Tq, d].
+    With `k_index` [S, Tk], `k` and `v` are flat rows [P, kv_heads, d] and position t of sequence s is row
+    ``k_index[s, t]`` (a paged cache, or a packed batch, read in place; the same bits as gathered keys).
     Online softmax over blocks of `KEY_BLOCK` keys from position 0, in float32; a query that sees no key gets 0.
     On CUDA `triton_exact.attention` (blocks of its own `KEY_BLOCK`), the same function for the engine and trainer."""
     kernels = _kernels(q)
     if kernels is not None:
-        return kernels.attention(q, k, v, q_pos, k_len, scale)
+        return kernels.attention(q, k, v, q_pos, k_len, scale, k_index)
+    if k_index is not None:
+        k, v = k[k_index].transpose(1, 2), v[k_index].transpose(1, 2)
     with torch._C.DisableTorchFunction():  # plain tensors in, and no op of this loop for `ops()` to route
         return _attention(q, k, v, q_pos, k_len, scale)
 
@@ -263,12 +267,13 @@ def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     functions return."""
     B, heads, T, d = query.shape
 
-    def per_sequence(x):  # [B, h, T, d] -> [S, h, L, d]
-        return x.transpose(1, 2).reshape(B * T, x.shape[1], d)[layout.index].transpose(1, 2)
+    def rows(x):  # [B, h, T, d] -> [B * T, h, d]: a token per row
+        return x.transpose(1, 2).reshape(B * T, x.shape[1], d)
 
     S, L = layout.index.shape
     q_pos = torch.arange(L, device=query.device).expand(S, L)
-    out = attention(per_sequence(query), per_sequence(key), per_sequence(value), q_pos, layout.lengths, scale)
+    queries = rows(query)[layout.index].transpose(1, 2)  # [S, heads, L, d]
+    out = attention(queries, rows(key), rows(value), q_pos, layout.lengths, scale, layout.index)
     flat = out.to(query.dtype).transpose(1, 2)[layout.seq, layout.pos]  # [B * T, heads, d]: each token's own row
     return torch.where(layout.real[:, None, None], flat, flat.new_zeros(())).reshape(B, T, heads, d)
 

@@ -27,6 +27,7 @@ over the whole axis with the same masks — the same arithmetic, by the no-op ar
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -153,12 +154,13 @@ def _small_tile_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     return _AGREES[key]
 
 
-@triton.jit(do_not_specialize=["queries", "keys", "stride_ps"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, out_ptr, queries, keys, scale,
+@triton.jit(do_not_specialize=["queries", "keys", "stride_ps", "stride_is"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, queries, keys, scale,
                       stride_qs, stride_qh, stride_qt, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                      stride_os, stride_oh, stride_ot, stride_ps,
+                      stride_os, stride_oh, stride_ot, stride_ps, stride_is,
                       GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, STATIC_KEYS: tl.constexpr, INTERPRETED: tl.constexpr):
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr, STATIC_KEYS: tl.constexpr,
+                      INTERPRETED: tl.constexpr):
     tile, s, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query r // GROUP, head r % GROUP of the KV head's group
     t, head = r // GROUP, kv_head * GROUP + r % GROUP
@@ -178,7 +180,11 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, out_ptr, queries, k
     for start in range(0, STATIC_KEYS if INTERPRETED else end, BLOCK_N):  # key blocks from position 0, in order
         key = start + tl.arange(0, BLOCK_N)
         inside = key < length
-        k = tl.load(k_base + key[:, None] * stride_kt + dims[None, :], mask=inside[:, None] & in_dim[None, :],
+        if INDEXED:  # flat K/V rows: the key at position t of sequence s is row idx[s, t] (a paged cache's)
+            row = tl.load(idx_ptr + s * stride_is + key, mask=inside, other=0).to(tl.int64)
+        else:
+            row = key
+        k = tl.load(k_base + row[:, None] * stride_kt + dims[None, :], mask=inside[:, None] & in_dim[None, :],
                     other=0.0)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
@@ -189,7 +195,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, out_ptr, queries, k
         p = tl.exp(scores - new_best[:, None])
         alpha = tl.exp(best - new_best)
         total = total * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + key[:, None] * stride_vt + dims[None, :], mask=inside[:, None] & in_dim[None, :],
+        v = tl.load(v_base + row[:, None] * stride_vt + dims[None, :], mask=inside[:, None] & in_dim[None, :],
                     other=0.0)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -202,50 +208,59 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, out_ptr, queries, k
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, k_index: torch.Tensor | None = None) -> torch.Tensor:
     """`agents.exact.attention`'s contract: queries `q` [S, heads, Tq, d] at positions `q_pos` [S, Tq] over keys and
     values `k`, `v` [S, kv_heads, Tk, d] indexed by position, the first `k_len` [S] valid; float32 [S, heads, Tq, d]
-    (0 for a query that sees no key). `k` and `v` are read in q's dtype (bfloat16, float16 or float32).
-    Differentiable: the backward recomputes the attention with SDPA under the same mask (gradients are not compared
-    bit for bit)."""
-    return torch.ops.mt_env.exact_attention(q, k, v, q_pos, k_len, scale)
+    (0 for a query that sees no key). With `k_index` [S, Tk], `k` and `v` are flat rows [P, kv_heads, d] and position
+    t of sequence s is row ``k_index[s, t]`` (a paged cache read in place): the same bits as the gathered keys.
+    `k` and `v` are read in q's dtype (bfloat16, float16 or float32). Differentiable: the backward recomputes the
+    attention with SDPA under the same mask (gradients are not compared bit for bit)."""
+    return torch.ops.mt_env.exact_attention(q, k, v, q_pos, k_len, scale, k_index)
 
 
 @torch.library.custom_op("mt_env::exact_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-                  scale: float) -> torch.Tensor:
-    return _attention(q, k, v, q_pos, k_len, scale)
+                  scale: float, k_index: Optional[torch.Tensor]) -> torch.Tensor:
+    return _attention(q, k, v, q_pos, k_len, scale, k_index)
 
 
 @_attention_op.register_fake
-def _(q, k, v, q_pos, k_len, scale):
-    _check_attention(q, k, v)
+def _(q, k, v, q_pos, k_len, scale, k_index):
+    _check_attention(q, k, v, k_index)
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
 def _attention_setup(ctx, inputs, output):
-    _save_inputs(ctx, inputs, output)
-    ctx.scale = inputs[-1]
+    q, k, v, q_pos, k_len, scale, k_index = inputs
+    ctx.save_for_backward(q, k, v, q_pos, k_len, k_index)
+    ctx.scale = scale
 
 
 def _attention_backward(ctx, grad):
-    saved = ctx.saved_tensors
-    inputs = [t.detach().requires_grad_(need) for t, need in zip(saved[:3], ctx.needs_input_grad[:3])]
+    q, k, v, q_pos, k_len, k_index = ctx.saved_tensors
+    inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
     with torch.enable_grad():
-        out = _reference(*inputs, *saved[3:], ctx.scale)
+        keys, values = inputs[1:]
+        if k_index is not None:  # the gather's backward scatters the keys' gradients back to their rows
+            keys, values = keys[k_index].transpose(1, 2), values[k_index].transpose(1, 2)
+        out = _reference(inputs[0], keys, values, q_pos, k_len, ctx.scale)
     wanted = [t for t in inputs if t.requires_grad]
     grads = iter(torch.autograd.grad(out, wanted, grad) if wanted else ())
-    return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None)
+    return (*(next(grads) if t.requires_grad else None for t in inputs), None, None, None, None)
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_index: torch.Tensor | None) -> None:
     S, heads, Tq, d = q.shape
-    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != S or k.shape[3] != d or heads % k.shape[1]:
-        raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] with kv_heads dividing "
-                         f"heads, got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    flat = k_index is not None
+    if k.dim() != (3 if flat else 4) or k.shape != v.shape or k.shape[-1] != d or heads % k.shape[-2 if flat else 1]:
+        raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] (with k_index: "
+                         f"[rows, kv_heads, d]) with kv_heads dividing heads, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if flat and (k_index.dim() != 2 or k_index.shape[0] != S):
+        raise ValueError(f"exact attention: k_index [S, Tk] for q of S = {S}, got {tuple(k_index.shape)}")
     if q.dtype not in MATMUL_CONFIGS or d < 16:
         raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 16, got {q.dtype}, {d}")
 
@@ -263,22 +278,28 @@ def _reference(q, k, v, q_pos, k_len, scale):
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-               scale: float) -> torch.Tensor:
-    _check_attention(q, k, v)
+               scale: float, k_index: torch.Tensor | None = None) -> torch.Tensor:
+    _check_attention(q, k, v, k_index)
     S, heads, Tq, d = q.shape
-    kv_heads, Tk = k.shape[1], k.shape[2]
     q, k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (q, k, v))
     q_pos, k_len = q_pos.to(torch.int32).contiguous(), k_len.to(torch.int32).contiguous()
+    if k_index is None:
+        kv_heads, Tk, index = k.shape[1], k.shape[2], q_pos  # (index: an unread stand-in)
+        k_strides, v_strides = k.stride()[:3], v.stride()[:3]
+    else:  # (sequence, head, position) strides of the flat rows: no sequence stride, a position is a row
+        kv_heads, Tk, index = k.shape[1], k_index.shape[1], k_index.contiguous()
+        k_strides, v_strides = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
     out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
     if S == 0 or Tq == 0 or Tk == 0:
         return out
     group = heads // kv_heads
     grid = (triton.cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
-    _attention_kernel[grid](q, k, v, q_pos, k_len, out, Tq, Tk, scale, *q.stride()[:3], *k.stride()[:3],
-                            *v.stride()[:3], *out.stride()[:3], q_pos.stride(0), GROUP=group, DIM=d,
+    _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, Tq, Tk, scale, *q.stride()[:3], *k_strides,
+                            *v_strides, *out.stride()[:3], q_pos.stride(0), index.stride(0), GROUP=group, DIM=d,
                             BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK,
-                            IEEE=q.dtype == torch.float32, STATIC_KEYS=Tk if _INTERPRETED else 0,
-                            INTERPRETED=_INTERPRETED, num_warps=4, num_stages=2)
+                            IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
+                            STATIC_KEYS=Tk if _INTERPRETED else 0, INTERPRETED=_INTERPRETED, num_warps=4,
+                            num_stages=2)
     return out
 
 

@@ -173,6 +173,30 @@ def test_a_query_that_sees_no_key_gets_zero_and_bad_shapes_are_refused():
                                torch.ones(1, dtype=torch.long, device=DEVICE), 0.25)
 
 
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_attention_over_flat_rows_by_index_equals_the_gathered_keys(data):
+    """`k_index`: the keys and values as flat rows (a paged cache, a packed batch) in a shuffled order, each
+    sequence's positions named by index: the same bits as the keys gathered first; and the same gradients."""
+    dtype = data.draw(st.sampled_from(DTYPES))
+    q, k, v, lengths, scale = attention_case(data, dtype)
+    S, kv_heads, Tk, d = k.shape
+    order = torch.randperm(S * Tk, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99))))
+    flat_k, flat_v = (x.transpose(1, 2).reshape(S * Tk, kv_heads, d)[order].contiguous() for x in (k, v))
+    index = torch.argsort(order).view(S, Tk).to(DEVICE)  # position t of sequence s: row index[s, t]
+    assert torch.equal(flat_k[index].transpose(1, 2), k)
+    positions = torch.arange(Tk, device=DEVICE).expand(S, -1)
+    dense = triton_exact.attention(q, k, v, positions, lengths, scale)
+    assert torch.equal(triton_exact.attention(q, flat_k, flat_v, positions, lengths, scale, index), dense)
+    flat = [t.clone().requires_grad_() for t in (q, flat_k, flat_v)]
+    grads = torch.autograd.grad(triton_exact.attention(*flat, positions, lengths, scale, index).sum(), flat)
+    gathered = [t.clone().requires_grad_() for t in (q, flat_k, flat_v)]
+    out = triton_exact.attention(gathered[0], gathered[1][index].transpose(1, 2), gathered[2][index].transpose(1, 2),
+                                 positions, lengths, scale)
+    for a, b in zip(grads, torch.autograd.grad(out.sum(), gathered)):
+        torch.testing.assert_close(a, b)
+
+
 def test_the_kernels_are_differentiable_as_the_torch_versions():
     """The update's forward runs exact mode with gradients: the kernels' gradients are the torch versions'."""
     x, w = randn(37, 40, seed=0).requires_grad_(), randn(24, 40, seed=1).requires_grad_()

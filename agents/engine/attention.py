@@ -7,8 +7,8 @@ Two kernels, chosen per engine (`EngineConfig.attention`):
   one SDPA call with a mask. For decode, the query heads of one KV head are laid out as that head's queries.
 * ``"triton"`` (CUDA): `agents.engine.triton_attention`, kernels that read the blocks in place — the gather moves
   every attended byte several times per layer (and prefill expands K/V to every query head).
-* ``"exact"`` (exact mode, any device): the positions gathered as for ``"gather"``, then `agents.exact.attention`,
-  the function the trainer's forward uses too; prefill always reads every position back from the cache.
+* ``"exact"`` (exact mode, any device): `agents.exact.attention` over the positions ``"gather"`` would gather (on
+  CUDA read in place), the function the trainer's forward uses too; prefill always reads every position back.
 
 A prefill pass in which no row has a cached prefix attends over its own new K/V with SDPA's causal kernel (flash).
 """
@@ -67,9 +67,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         table, lengths, block_size, length = attend
         return paged_decode_attention(q, keys, values, table, lengths, scale, block_size, length)
     read_at, mask = attend
-    if kernel == "exact":
-        k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
-        return exact.attention(q[:, :, None], k, v, mask[:, None], mask + 1, scale)[:, :, 0].to(q.dtype)
+    if kernel == "exact":  # the cache read in place (`mask` is each row's position here)
+        return exact.attention(q[:, :, None], keys, values, mask[:, None], mask + 1, scale, read_at)[:, :, 0].to(
+            q.dtype)
     rows, heads, dim = q.shape
     kv_heads = keys.shape[1]
     k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
@@ -108,10 +108,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: t
         table, starts, counts, block_size, read = attend
         return paged_prefill_attention(q, keys, values, table, starts, counts, scale, block_size,
                                        read).reshape(rows, width, -1)
-    if kernel == "exact":
+    if kernel == "exact":  # every position read back from the cache, in place
         read_at, queries, valid = attend
-        k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
-        out = exact.attention(q, k, v, queries, valid, scale).to(q.dtype)
+        out = exact.attention(q, keys, values, queries, valid, scale, read_at).to(q.dtype)
         return out.transpose(1, 2).reshape(rows, width, -1)
     mask = None
     if attend is not None:
