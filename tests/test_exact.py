@@ -264,10 +264,12 @@ def test_the_layout_maps_every_real_token_to_its_sequence_and_back(rows, pad):
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="exact mode compiles its layers on CUDA (MT_ENV_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_on_cuda_both_sides_run_compiled_layers_in_whole_graphs(dtype):
+def test_on_cuda_both_sides_run_compiled_layers_in_whole_graphs(dtype, monkeypatch):
     """`exact.compiles_layers`: the engine's layer functions and the trainer's decoder layers both run compiled by
     Inductor (no graph break, no eager fallback), and the bits stay equal, in float32 and in bfloat16."""
     from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(exact, "COMPILE_LAYERS", True)
 
     model = build(seed=5).to(dtype)
     prompts = prompts_of(7, seed=11)
