@@ -18,8 +18,8 @@ thread-local `TorchFunctionMode`): the engine's layer functions and the trainer'
 module's own code, adapters (LoRA) included, with exact operations. The trainer's attention goes through
 `sequence_attention` (`trainers.modeling` passes the layout). On CUDA, where Triton imports, `linear` and `attention`
 run `agents.triton_exact`'s kernels (`_kernels`: the one switch, by device alone, so the engine and the trainer
-always take the same path); the torch versions here are the CPU path. There both sides also run the decoder layers
-compiled by Inductor (`compiles_layers`), the kernels opaque custom ops in the graph. Why each choice: docs/exact.md.
+always take the same path); the torch versions here are the CPU path. There both sides can also run the decoder
+layers compiled by Inductor (`compiles_layers`), the kernels opaque custom ops in the graph. Why: docs/exact.md.
 """
 
 from __future__ import annotations
@@ -43,9 +43,11 @@ QUERY_TILE = 16
 #: set to 1 to run the Triton kernels on CPU too (under ``TRITON_INTERPRET=1``: a slow check of the CUDA path's logic)
 KERNELS_ON_CPU = "MT_ENV_EXACT_TRITON_ON_CPU"
 _ON_CPU = os.environ.get(KERNELS_ON_CPU) == "1"
-#: where the kernels run (CUDA), the decoder layers run compiled by Inductor on both sides (`compiles_layers`); False
-#: runs them eagerly (an experiment: `benchmarks/bench_exact.py --eager`). Read when an engine or a policy is made.
-COMPILE_LAYERS = True
+#: True: where the kernels run (CUDA), the decoder layers run compiled by Inductor on both sides (`compiles_layers`).
+#: Off (unless ``MT_ENV_EXACT_COMPILE_LAYERS=1``) until a GPU run has checked it (docs/exact.md, "Compiled layers"):
+#: `bash benchmarks/run_gpu.sh exact` runs the CUDA test that turns it on and measures both. Read when an engine is
+#: made and at each trainer forward.
+COMPILE_LAYERS = os.environ.get("MT_ENV_EXACT_COMPILE_LAYERS") == "1"
 _TRITON = None  #: `agents.triton_exact` once loaded (`_load_kernels`), False where Triton does not import
 
 
@@ -72,7 +74,7 @@ def _kernels(t: torch.Tensor):
 
 def compiles_layers(device: torch.device) -> bool:
     """Whether exact mode runs the decoder layers compiled by Inductor on `device`: where the Triton kernels run
-    (CUDA), unless `COMPILE_LAYERS` is off. The engine (its layer functions) and the trainer (`compile_layers`) both
+    (CUDA), when `COMPILE_LAYERS` is on. The engine (its layer functions) and the trainer (`compile_layers`) both
     ask this, so both run the same code: Inductor rounds bf16 where eager does (``emulate_precision_casts``), but its
     arithmetic (exp, rsqrt, fused multiply-adds) is its own, the same in every graph. Embeddings, RoPE tables, the
     final norm, the LM head and the log-softmax stay eager on both sides. CPU: eager (Inductor's C++ would give a

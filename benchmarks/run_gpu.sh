@@ -16,8 +16,9 @@
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
-#   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode, its
-#                                        #   mismatch at every step and its phases -> $EXP/rl_step_exact.json
+#   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (EXACT_COMPILE_LAYERS=1:
+#                                        #   its layers compiled), its mismatch at every step and its phases
+#                                        #   -> $EXP/rl_step_exact.json
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
 #                                        #   and device-busy time, where the device waited for the host (issue 29)
 #                                        #   -> the report printed, the trace in $EXP/step_trace/
@@ -99,10 +100,11 @@ case "${1:-}" in
     timeout 560 python3 benchmarks/bench_agent.py --device cuda --workloads A B gsm8k --env-processes 8 2>&1 \
       | grep -v "Warn\|warn" | tail -6; echo "bench_agent rc=${PIPESTATUS[0]}" ;;
   exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes), step1's settings otherwise (exact mode
-    # compiles its own layers: trainer.compile stays off); compare with step1's phases in the same call
-    timeout 400 python3 benchmarks/bench_rl_step.py --set trainer.micro_batch_tokens=32768 \
-      --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12
-    echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
+    # decides compilation: trainer.compile stays off; EXACT_COMPILE_LAYERS=1 compiles its layers on both sides);
+    # compare with step1's phases in the same call
+    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-0} timeout 400 python3 benchmarks/bench_rl_step.py \
+      --set trainer.micro_batch_tokens=32768 --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 \
+      | grep -v "Warn\|warn" | tail -12; echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
   exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
     timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -60
     echo "bench_exact_matmul rc=${PIPESTATUS[0]}" ;;

@@ -378,7 +378,7 @@ def validate(cfg: Config, training: bool = True) -> Config:
         _check_async(cfg)
     if r.exact_logprobs and (r.backend != "hf" or cfg.trainer.compile):
         raise ConfigError("rollout.exact_logprobs needs rollout.backend=hf and trainer.compile=false (exact mode "
-                          "compiles the layers of the engine and the trainer alike itself, on CUDA: docs/exact.md)")
+                          "decides compilation for the engine and the trainer alike: docs/exact.md)")
     if r.backend == "sglang_server" and not r.server_urls:
         raise ConfigError("rollout.backend=sglang_server needs rollout.server_urls")
     lora = cfg.model.lora
