@@ -233,12 +233,11 @@ def _key_blocks(k: torch.Tensor, v: torch.Tensor, k_len: torch.Tensor) -> tuple[
 @dataclass(frozen=True)
 class Sequences:
     """Where the sequences of a [B, T] batch (padded or packed) lie: `index` [S, L] flat token indices of each
-    sequence's positions 0..L-1 (clamped past its end), `valid` [S, L], `lengths` [S]; and back, each flat token's
-    sequence `seq` and position `pos` [B * T] (0 for a token of none: `real` [B * T] False). Every shape is set by
-    the inputs' (no boolean indexing where the attention runs: compiled layers trace it whole)."""
+    sequence's positions 0..L-1 (clamped past its end), `lengths` [S]; and back, each flat token's sequence `seq` and
+    position `pos` [B * T] (0 for a token of none: `real` [B * T] False). Every shape is set by the inputs' (no
+    boolean indexing where the attention runs: compiled layers trace it whole)."""
 
     index: torch.Tensor
-    valid: torch.Tensor
     lengths: torch.Tensor
     seq: torch.Tensor
     pos: torch.Tensor
@@ -259,7 +258,7 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     index = (starts.nonzero().squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
     if not (torch.equal(pos[index[valid]], offsets.expand_as(index)[valid]) and bool(real[index[valid]].all())):
         raise ValueError("exact attention needs each sequence's real tokens in a run with positions 0, 1, 2, ...")
-    return Sequences(index, valid, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real)
+    return Sequences(index, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real)
 
 
 def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Sequences,

@@ -68,8 +68,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         return paged_decode_attention(q, keys, values, table, lengths, scale, block_size, length)
     read_at, mask = attend
     if kernel == "exact":  # the cache read in place (`mask` is each row's position here)
-        return exact.attention(q[:, :, None], keys, values, mask[:, None], mask + 1, scale, read_at)[:, :, 0].to(
-            q.dtype)
+        out = exact.attention(q[:, :, None], keys, values, mask[:, None], mask + 1, scale, read_at)
+        return out[:, :, 0].to(q.dtype)
     rows, heads, dim = q.shape
     kv_heads = keys.shape[1]
     k, v = keys[read_at].transpose(1, 2), values[read_at].transpose(1, 2)
