@@ -93,8 +93,8 @@ def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*(t for t in inputs if isinstance(t, torch.Tensor)))
+def _matmul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
 
 
 def _matmul_backward(ctx, grad):
@@ -103,7 +103,7 @@ def _matmul_backward(ctx, grad):
             grad.t() @ x if ctx.needs_input_grad[1] else None)
 
 
-_matmul_op.register_autograd(_matmul_backward, setup_context=_save_inputs)
+_matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 
 
 def _check_matmul(x: torch.Tensor, weight: torch.Tensor) -> None:
@@ -254,8 +254,8 @@ _attention_op.register_autograd(_attention_backward, setup_context=_attention_se
 
 def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_index: torch.Tensor | None) -> None:
     S, heads, Tq, d = q.shape
-    flat = k_index is not None
-    if k.dim() != (3 if flat else 4) or k.shape != v.shape or k.shape[-1] != d or heads % k.shape[-2 if flat else 1]:
+    flat = k_index is not None  # [rows, kv_heads, d] rather than [S, kv_heads, Tk, d]: kv_heads is dim 1 of both
+    if k.dim() != (3 if flat else 4) or k.shape != v.shape or k.shape[-1] != d or heads % k.shape[1]:
         raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] (with k_index: "
                          f"[rows, kv_heads, d]) with kv_heads dividing heads, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
@@ -283,11 +283,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
     S, heads, Tq, d = q.shape
     q, k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (q, k, v))
     q_pos, k_len = q_pos.to(torch.int32).contiguous(), k_len.to(torch.int32).contiguous()
+    kv_heads = k.shape[1]
     if k_index is None:
-        kv_heads, Tk, index = k.shape[1], k.shape[2], q_pos  # (index: an unread stand-in)
+        Tk, index = k.shape[2], q_pos  # (index: an unread stand-in)
         k_strides, v_strides = k.stride()[:3], v.stride()[:3]
     else:  # (sequence, head, position) strides of the flat rows: no sequence stride, a position is a row
-        kv_heads, Tk, index = k.shape[1], k_index.shape[1], k_index.contiguous()
+        Tk, index = k_index.shape[1], k_index.contiguous()
         k_strides, v_strides = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
     out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
     if S == 0 or Tq == 0 or Tk == 0:

@@ -115,6 +115,37 @@ def profile_exact(lm, prompts, batch, args, top: int) -> None:
         print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))
 
 
+def measure(lm, prompts, args, device, figures: dict) -> TrainBatch:
+    """Each mode's engine and trainer throughput and mismatch, and exact mode's costs, into `figures`; returns the
+    last mode's rollouts as a batch."""
+    modes = [("off", lm, False), ("on", lm, True)]
+    if exact.compiles_layers(device):
+        modes.append(("on_eager", copy.deepcopy(lm), True))  # copied before any layer is compiled
+        compile_layers(lm)  # the off trainer pass as the RL step's record runs it
+    for mode, model, on in modes:
+        exact.COMPILE_LAYERS = mode != "on_eager"
+        seconds, turns = engine_run(model, prompts, args, on)
+        tokens = sum(len(t.ids) for t in turns)
+        batch = batch_of(prompts, turns, device)
+        trainer_s, mismatch = trainer_run(model, batch, args, on)
+        figures[f"engine_tok_s_{mode}"] = tokens / seconds
+        figures[f"trainer_tok_s_{mode}"] = int(batch.attention_mask.sum()) / trainer_s
+        figures[f"mismatch_abs_max_{mode}"] = mismatch.get("mismatch/logprob_abs_max")
+        print(f"exact {mode:>8}: engine {tokens / seconds:10.1f} tok/s | trainer old-logprob pass "
+              f"{figures[f'trainer_tok_s_{mode}']:10.1f} tok/s | mismatch abs max "
+              f"{figures[f'mismatch_abs_max_{mode}']}")
+    figures["engine_cost_x"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on"]
+    figures["trainer_cost_x"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on"]
+    print(f"exact mode costs {figures['engine_cost_x']:.2f}x the engine's time, {figures['trainer_cost_x']:.2f}x "
+          f"the trainer pass's")
+    if "engine_tok_s_on_eager" in figures:
+        figures["engine_cost_x_eager"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on_eager"]
+        figures["trainer_cost_x_eager"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on_eager"]
+        print(f"with its layers uncompiled: {figures['engine_cost_x_eager']:.2f}x and "
+              f"{figures['trainer_cost_x_eager']:.2f}x")
+    return batch
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -134,37 +165,15 @@ def main(argv=None) -> dict:
     prompts = prompts_of(args, lm.config.vocab_size)
     figures = {"model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
                "threads": torch.get_num_threads()}
-    modes, default = [("off", lm, False), ("on", lm, True)], exact.COMPILE_LAYERS
-    exact.COMPILE_LAYERS = True  # "on" compiles where it can, whatever the default
-    if exact.compiles_layers(device):
-        modes.append(("on_eager", copy.deepcopy(lm), True))  # copied before any layer is compiled
-        compile_layers(lm)  # the off trainer pass as the RL step's record runs it
-    for mode, model, on in modes:
-        exact.COMPILE_LAYERS = mode != "on_eager"
-        seconds, turns = engine_run(model, prompts, args, on)
-        tokens = sum(len(t.ids) for t in turns)
-        batch = batch_of(prompts, turns, device)
-        trainer_s, mismatch = trainer_run(model, batch, args, on)
-        figures[f"engine_tok_s_{mode}"] = tokens / seconds
-        figures[f"trainer_tok_s_{mode}"] = int(batch.attention_mask.sum()) / trainer_s
-        figures[f"mismatch_abs_max_{mode}"] = mismatch.get("mismatch/logprob_abs_max")
-        print(f"exact {mode:>8}: engine {tokens / seconds:10.1f} tok/s | trainer old-logprob pass "
-              f"{figures[f'trainer_tok_s_{mode}']:10.1f} tok/s | mismatch abs max "
-              f"{figures[f'mismatch_abs_max_{mode}']}")
-    exact.COMPILE_LAYERS = True  # the profile below: exact mode with its layers compiled where they can be
-    figures["engine_cost_x"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on"]
-    figures["trainer_cost_x"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on"]
-    print(f"exact mode costs {figures['engine_cost_x']:.2f}x the engine's time, {figures['trainer_cost_x']:.2f}x "
-          f"the trainer pass's")
-    if "engine_tok_s_on_eager" in figures:
-        figures["engine_cost_x_eager"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on_eager"]
-        figures["trainer_cost_x_eager"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on_eager"]
-        print(f"with its layers uncompiled: {figures['engine_cost_x_eager']:.2f}x and "
-              f"{figures['trainer_cost_x_eager']:.2f}x")
-    rec.write(figures)
-    if args.profile:
-        profile_exact(lm, prompts, batch, args, args.profile)
-    exact.COMPILE_LAYERS = default
+    default, exact.COMPILE_LAYERS = exact.COMPILE_LAYERS, True  # "on" compiles where it can, whatever the default
+    try:
+        batch = measure(lm, prompts, args, device, figures)
+        rec.write(figures)
+        if args.profile:
+            exact.COMPILE_LAYERS = True  # exact mode with its layers compiled where they can be
+            profile_exact(lm, prompts, batch, args, args.profile)
+    finally:
+        exact.COMPILE_LAYERS = default
     return figures
 
 

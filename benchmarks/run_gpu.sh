@@ -102,9 +102,9 @@ case "${1:-}" in
   exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes), step1's settings otherwise (exact mode
     # decides compilation: trainer.compile stays off; EXACT_COMPILE_LAYERS=1 compiles its layers on both sides);
     # compare with step1's phases in the same call
-    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-0} timeout 400 python3 benchmarks/bench_rl_step.py \
-      --set trainer.micro_batch_tokens=32768 --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 \
-      | grep -v "Warn\|warn" | tail -12; echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
+    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-0} rl_step --set trainer.compile=false \
+      --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12
+    echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
   exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
     timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -60
     echo "bench_exact_matmul rc=${PIPESTATUS[0]}" ;;

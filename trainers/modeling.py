@@ -204,6 +204,13 @@ def _use_exact_attention(lm: nn.Module) -> None:
         raise ValueError(f"exact logprobs need the model's attention implementation 'sdpa', it has {impl!r}")
 
 
+def _compile_exact_layers(lm: nn.Module) -> None:
+    """Compile `lm`'s decoder layers where exact mode compiles the engine's layer functions
+    (`agents.exact.compiles_layers`, on the device `lm` is on): both sides then run the same code."""
+    if exact.compiles_layers(next(lm.parameters()).device):
+        compile_layers(lm)
+
+
 def _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids) -> dict:
     """The backbone's arguments in exact mode: positions, and the sequences' layout for the attention function."""
     if position_ids is None:
@@ -244,6 +251,7 @@ class PolicyModel(nn.Module):
         self.lm = lm
         if exact:
             _use_exact_attention(lm)
+            _compile_exact_layers(lm)
         self.exact = exact  #: exact mode (`agents.exact`): logprobs bit for bit the engine's in exact mode
         self.vocab_limit = vocab_limit  #: logprobs over ids below this (the tokenizer's size), as the sampler used
         #: trained tokens per LM-head chunk (`agents.logprobs.token_logprobs`; None: all at once)
@@ -257,8 +265,6 @@ class PolicyModel(nn.Module):
                 temperature: float = 1.0, with_entropy: bool = False):
         backbone = getattr(self.lm, self.lm.base_model_prefix)
         if self.exact:
-            if exact.compiles_layers(input_ids.device):  # as the engine's layer functions (idempotent)
-                compile_layers(self.lm)
             kwargs = _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids)
         else:
             kwargs = _attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids)

@@ -28,7 +28,7 @@ from mt_env.tokenizer import load_tokenizer, offline_tokenizer, train_bpe_tokeni
 from .config import Config, ConfigError
 from .distributed import ddp_kwargs
 from .lora import add_lora, hf_weights, save_hf
-from .modeling import build_causal_lm, compile_layers
+from .modeling import build_causal_lm, compile_layers, declared_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -186,8 +186,6 @@ def random_init_vocab(cfg: Config, tokens: int) -> int:
     nor scored (the backend's and the policy's ``vocab_limit``). Why keep the padding: an odd row count makes every
     LM-head matmul unaligned on GPUs: cuBLAS falls back to slow align-1 kernels in the engine's decode and in the
     trainer's passes (docs/training_speed.md, 2026-12-06)."""
-    from .modeling import declared_config
-
     own = declared_config(cfg.model.preset, cfg.model.config).get("vocab_size")
     return own if own is not None and own >= tokens else tokens
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from .. import exact
 from ..backend import GenerationError
-from ..compiling import COMPILE_COUNTS, compiled, progress
+from ..compiling import COMPILE_COUNTS, Compiled, compiled, progress
 from .attention import flat_positions, prefill_inputs
 from .blocks import NULL_BLOCK
 from . import config as knobs
@@ -427,7 +427,7 @@ class ModelRunner:
         functions = list(self._functions.values())
         if functions == list(COMPILED_FUNCTIONS):
             return "off: eager decode step and prefill"
-        compiled_functions = [fn for fn in functions if hasattr(fn, "failure")]
+        compiled_functions = [fn for fn in functions if isinstance(fn, Compiled)]
         failures = [fn.failure for fn in compiled_functions if fn.failure]
         if not failures:
             return ("on: the decode step's and the prefill's layers compiled by Inductor (exact mode)" if self.exact
