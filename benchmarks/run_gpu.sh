@@ -136,8 +136,9 @@ case "${1:-}" in
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   exact)  # exact mode (issue 28): the CUDA tests, then engine and trainer-pass throughput with it off and on
     MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py \
-      tests/test_triton_attention.py -q \
-      -p no:cacheprovider 2>&1 | tail -6; echo "exact tests rc=${PIPESTATUS[0]}"
+      tests/test_triton_attention.py -q -rfE -p no:cacheprovider > "$EXP/exact_tests.txt" 2>&1
+    echo "exact tests rc=$? (the whole output: \$EXP/exact_tests.txt)"; grep -E "^(FAILED|ERROR)|passed|failed" \
+      "$EXP/exact_tests.txt" | tail -12
     timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b --batch 32 --prompt 128 \
       --new-tokens 32 --repeats 1 --profile 20 2>&1 | grep -v "Warn\|warn" | tail -64
     echo "bench_exact rc=${PIPESTATUS[0]}" ;;
