@@ -19,6 +19,7 @@
 #   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (EXACT_COMPILE_LAYERS=1:
 #                                        #   its layers compiled), its mismatch at every step and its phases
 #                                        #   -> $EXP/rl_step_exact.json
+#   bash benchmarks/run_gpu.sh agent_b   # 1 GPU: workload B alone, prefix cache on/off -> $EXP/agent_B.json
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
 #                                        #   and device-busy time, where the device waited for the host (issue 29)
 #                                        #   -> the report printed, the trace in $EXP/step_trace/
@@ -99,6 +100,10 @@ case "${1:-}" in
   agent)  # the agent workloads (issue 27): prefix cache on and off in one process -> h200/agent
     timeout 560 python3 benchmarks/bench_agent.py --device cuda --workloads A B gsm8k --env-processes 8 2>&1 \
       | grep -v "Warn\|warn" | tail -6; echo "bench_agent rc=${PIPESTATUS[0]}" ;;
+  agent_b)  # an experiment: workload B alone, prefix cache on and off in one process (issue 27's B >= 1.4x when a
+    # call has no room for the whole record) -> $EXP/agent_B.json
+    timeout 250 python3 benchmarks/bench_agent.py --device cuda --workloads B --out "$EXP/agent_B.json" 2>&1 \
+      | grep -v "Warn\|warn" | tail -6; echo "bench_agent B rc=${PIPESTATUS[0]}" ;;
   exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes), step1's settings otherwise (exact mode
     # decides compilation: trainer.compile stays off; EXACT_COMPILE_LAYERS=1 compiles its layers on both sides);
     # compare with step1's phases in the same call
@@ -166,6 +171,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|scaling|fsdp|exact_step|step_vocab|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|step_vocab|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac
