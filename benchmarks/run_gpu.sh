@@ -16,8 +16,8 @@
 #                                        #   -> h200x2/scaling (its runs replace theirs in the record's scaling.json)
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
-#   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (EXACT_COMPILE_LAYERS=1:
-#                                        #   its layers compiled), its mismatch at every step and its phases
+#   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (EXACT_COMPILE_LAYERS=0:
+#                                        #   its layers eager), its mismatch at every step and its phases
 #                                        #   -> $EXP/rl_step_exact.json
 #   bash benchmarks/run_gpu.sh agent_b   # 1 GPU: workload B alone, prefix cache on/off -> $EXP/agent_B.json
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
@@ -105,9 +105,9 @@ case "${1:-}" in
     timeout 250 python3 benchmarks/bench_agent.py --device cuda --workloads B --out "$EXP/agent_B.json" 2>&1 \
       | grep -v "Warn\|warn" | tail -6; echo "bench_agent B rc=${PIPESTATUS[0]}" ;;
   exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes), step1's settings otherwise (exact mode
-    # decides compilation: trainer.compile stays off; EXACT_COMPILE_LAYERS=1 compiles its layers on both sides);
+    # decides compilation: trainer.compile stays off; EXACT_COMPILE_LAYERS=0 runs its layers eagerly on both sides);
     # compare with step1's phases in the same call
-    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-0} rl_step --set trainer.compile=false \
+    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=false \
       --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12
     echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
   exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
