@@ -43,10 +43,9 @@ QUERY_TILE = 16
 #: set to 1 to run the Triton kernels on CPU too (under ``TRITON_INTERPRET=1``: a slow check of the CUDA path's logic)
 KERNELS_ON_CPU = "MT_ENV_EXACT_TRITON_ON_CPU"
 _ON_CPU = os.environ.get(KERNELS_ON_CPU) == "1"
-#: True: where the kernels run (CUDA), the decoder layers run compiled by Inductor on both sides (`compiles_layers`).
-#: On by default since a GPU run checked it (H100, 2026-12-07: bits equal, the engine's cost 2.20x -> 1.52x;
-#: docs/exact.md, "Compiled layers"); ``MT_ENV_EXACT_COMPILE_LAYERS=0`` runs them eagerly. Read when an engine or an
-#: exact `PolicyModel` is made.
+#: True: where the kernels run (CUDA), the decoder layers run compiled by Inductor on both sides (`compiles_layers`;
+#: why and what it was measured to gain: docs/exact.md, "Compiled layers"). ``MT_ENV_EXACT_COMPILE_LAYERS=0`` runs
+#: them eagerly. Read when an engine or an exact `PolicyModel` is made.
 COMPILE_LAYERS = os.environ.get("MT_ENV_EXACT_COMPILE_LAYERS", "1") != "0"
 _TRITON = None  #: `agents.triton_exact` once loaded (`_load_kernels`), False where Triton does not import
 
