@@ -1,12 +1,15 @@
-"""What exact mode (``rollout.exact_logprobs``, docs/exact.md) costs: the engine's generation and the trainer's
-old-logprob pass with exact mode off and on, in one process on the same prompts, and the rollout/trainer logprob
-mismatch of each (0.0 in exact mode).
+"""What exact mode (``rollout.exact_logprobs``, docs/exact.md) costs: the engine's generation, the trainer's
+old-logprob pass and the update's forward and backward with exact mode off and on, in one process on the same
+prompts, and the rollout/trainer logprob mismatch of each (0.0 in exact mode).
 
 1. Engine: `--batch` prompts of mixed lengths (up to `--prompt`) sampled to `--new-tokens` tokens each through
    `HFBackend` (the paged engine; on CUDA in CUDA graphs, compiled as each mode compiles); tok/s = sampled tokens /
    seconds, the best of `--repeats` after a warm-up.
 2. Trainer: `trainers.ppo.score` over those rollouts (packed, micro-batches of `--micro-tokens` tokens, on CUDA the
    layers compiled as the RL step's record runs them), in tokens of the batch per second, the best of `--repeats`.
+3. Update: the same micro-batches through the policy with gradients (logprobs and entropy, as the smoke recipe's GRPO
+   loss takes them), a loss of their masked sum, backward; tokens of the batch per second, the best of `--repeats`.
+   The optimizer step, the same in both modes, is left out.
 
 On CUDA ``on`` compiles exact mode's layers (`agents.exact.COMPILE_LAYERS` on, whatever its default), and a third
 mode, ``on_eager``, runs them uncompiled (a copy of the model made before any compilation): what compiling them
@@ -14,9 +17,10 @@ gains, in the same run.
 
 Goals (issue 28, H200, 0.5B shape): exact costs <= 1.3x the engine's time and <= 1.2x the update's.
 
-``--profile N`` then profiles one more engine generation and one more trainer pass with exact mode on
-(`torch.profiler`) and prints the N operations that took the most device time: where the cost is. Off a GPU only the
-trainer pass (the profiler records CPU operations of its own thread; the engine runs in a worker thread).
+``--profile N`` then profiles one more engine generation, trainer pass and update with exact mode on, and one more
+update with it off (`torch.profiler`), and prints the N operations of each that took the most device time: where
+the cost is. Off a GPU not the engine (the profiler records CPU operations of its own thread; the engine runs in a
+worker thread).
 
     python benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b            # -> results/h200/exact.json
     python benchmarks/bench_exact.py --device cpu --model tiny --batch 16 --new-tokens 32 --prompt 64
@@ -38,13 +42,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from agents.hf_backend import HFBackend  # noqa: E402
 from agents.backend import SamplingParams  # noqa: E402
 from benchmarks import record  # noqa: E402
-from mt_env.batch import TrainBatch, collate  # noqa: E402
+from mt_env.batch import TrainBatch, collate, micro_batches  # noqa: E402
 from mt_env.sample import Sample  # noqa: E402
 from trainers import algos  # noqa: E402
 from trainers.config import Config  # noqa: E402
 from agents import exact  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
-from trainers.ppo import Models, score  # noqa: E402
+from trainers.ppo import Models, forward, score  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=4096)
@@ -85,10 +89,15 @@ def batch_of(prompts, turns, device) -> TrainBatch:
     return collate(samples, pad_token_id=0).to(device)
 
 
-def trainer_run(lm, batch, args, exact: bool):
-    """(best seconds of the old-logprob pass, the mismatch metrics)."""
+def trainer_config(args) -> Config:
     cfg = Config()
     cfg.trainer.packed, cfg.trainer.micro_batch_tokens, cfg.rollout.temperature = True, args.micro_tokens, 1.0
+    return cfg
+
+
+def trainer_run(lm, batch, args, exact: bool):
+    """(best seconds of the old-logprob pass, the mismatch metrics)."""
+    cfg = trainer_config(args)
     policy, best = PolicyModel(lm, exact=exact), float("inf")
     for _ in range(args.repeats + 1):
         start = time.perf_counter()
@@ -99,19 +108,46 @@ def trainer_run(lm, batch, args, exact: bool):
     return best, algos.logprob_mismatch(scored, exact)
 
 
+def update_run(lm, batch, args, exact: bool) -> float:
+    """Best seconds of the update's forward and backward over `batch` (`trainer_run`'s micro-batches): logprobs and
+    entropy with gradients, as the smoke recipe's GRPO loss takes them (``entropy_coef`` > 0), and backward of a
+    loss of their masked sum. The gradients are discarded."""
+    cfg = trainer_config(args)
+    policy, best = PolicyModel(lm, exact=exact).train(), float("inf")
+    rows = torch.arange(len(batch), device=batch.input_ids.device)
+    chunks = micro_batches(batch, rows, cfg.trainer.micro_batch_size, cfg.trainer.micro_batch_tokens, True)
+    trained = batch.loss_mask.sum()
+    for _ in range(args.repeats + 1):
+        start = time.perf_counter()
+        for r in chunks:
+            mb = batch[r]
+            logprobs, entropy = forward(policy, mb, cfg, with_entropy=True)
+            (((logprobs + 1e-3 * entropy) * mb.loss_mask).sum() / trained).backward()
+        if batch.input_ids.is_cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+        lm.zero_grad(set_to_none=True)
+    policy.eval()
+    return best
+
+
 def profile_exact(lm, prompts, batch, args, top: int) -> None:
-    """Print the `top` operations by self device time of one exact engine generation, then one exact trainer pass."""
+    """Print the `top` operations by self device time of one exact engine generation, exact trainer pass and exact
+    update, then of one update with exact mode off."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = batch.input_ids.is_cuda
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     once = argparse.Namespace(**{**vars(args), "repeats": 0})
-    runs = [("engine", lambda: engine_run(lm, prompts, once, True))] if cuda else []
-    for name, run in runs + [("trainer pass", lambda: trainer_run(lm, batch, once, True))]:
+    runs = [("exact on, engine", lambda: engine_run(lm, prompts, once, True))] if cuda else []
+    runs += [("exact on, trainer pass", lambda: trainer_run(lm, batch, once, True)),
+             ("exact on, update", lambda: update_run(lm, batch, once, True)),
+             ("exact off, update", lambda: update_run(lm, batch, once, False))]
+    for name, run in runs:
         with profile(activities=activities) as prof:
             run()
-        print(f"\nexact on, {name}: the {top} costliest operations")
+        print(f"\n{name}: the {top} costliest operations")
         print(prof.key_averages().table(sort_by=sort, row_limit=top, max_name_column_width=60))
 
 
@@ -128,21 +164,21 @@ def measure(lm, prompts, args, device, figures: dict) -> TrainBatch:
         tokens = sum(len(t.ids) for t in turns)
         batch = batch_of(prompts, turns, device)
         trainer_s, mismatch = trainer_run(model, batch, args, on)
+        update_s = update_run(model, batch, args, on)
+        batch_tokens = int(batch.attention_mask.sum())
         figures[f"engine_tok_s_{mode}"] = tokens / seconds
-        figures[f"trainer_tok_s_{mode}"] = int(batch.attention_mask.sum()) / trainer_s
+        figures[f"trainer_tok_s_{mode}"] = batch_tokens / trainer_s
+        figures[f"update_tok_s_{mode}"] = batch_tokens / update_s
         figures[f"mismatch_abs_max_{mode}"] = mismatch.get("mismatch/logprob_abs_max")
         print(f"exact {mode:>8}: engine {tokens / seconds:10.1f} tok/s | trainer old-logprob pass "
-              f"{figures[f'trainer_tok_s_{mode}']:10.1f} tok/s | mismatch abs max "
-              f"{figures[f'mismatch_abs_max_{mode}']}")
-    figures["engine_cost_x"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on"]
-    figures["trainer_cost_x"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on"]
-    print(f"exact mode costs {figures['engine_cost_x']:.2f}x the engine's time, {figures['trainer_cost_x']:.2f}x "
-          f"the trainer pass's")
-    if "engine_tok_s_on_eager" in figures:
-        figures["engine_cost_x_eager"] = figures["engine_tok_s_off"] / figures["engine_tok_s_on_eager"]
-        figures["trainer_cost_x_eager"] = figures["trainer_tok_s_off"] / figures["trainer_tok_s_on_eager"]
-        print(f"with its layers uncompiled: {figures['engine_cost_x_eager']:.2f}x and "
-              f"{figures['trainer_cost_x_eager']:.2f}x")
+              f"{figures[f'trainer_tok_s_{mode}']:10.1f} tok/s | update {figures[f'update_tok_s_{mode}']:10.1f} "
+              f"tok/s | mismatch abs max {figures[f'mismatch_abs_max_{mode}']}")
+    for suffix in ("", "_eager") if "engine_tok_s_on_eager" in figures else ("",):
+        for part in ("engine", "trainer", "update"):
+            figures[f"{part}_cost_x{suffix}"] = figures[f"{part}_tok_s_off"] / figures[f"{part}_tok_s_on{suffix}"]
+        print(f"exact mode{' with its layers uncompiled' if suffix else ''} costs "
+              f"{figures[f'engine_cost_x{suffix}']:.2f}x the engine's time, {figures[f'trainer_cost_x{suffix}']:.2f}x "
+              f"the trainer pass's, {figures[f'update_cost_x{suffix}']:.2f}x the update's")
     return batch
 
 
