@@ -233,14 +233,18 @@ def _key_blocks(k: torch.Tensor, v: torch.Tensor, k_len: torch.Tensor) -> tuple[
 class Sequences:
     """Where the sequences of a [B, T] batch (padded or packed) lie: `index` [S, L] flat token indices of each
     sequence's positions 0..L-1 (clamped past its end), `lengths` [S]; and back, each flat token's sequence `seq` and
-    position `pos` [B * T] (0 for a token of none: `real` [B * T] False). Every shape is set by the inputs' (no
-    boolean indexing where the attention runs: compiled layers trace it whole)."""
+    position `pos` [B * T] (0 for a token of none: `real` [B * T] False); the flat indices of the real tokens,
+    sequence after sequence, `rows` [R], and where each sequence starts among them, `cu_seqlens` [S + 1] int32 (flash
+    attention's varlen layout). Every shape is set by the inputs' (no boolean indexing where the attention runs:
+    compiled layers trace it whole)."""
 
     index: torch.Tensor
     lengths: torch.Tensor
     seq: torch.Tensor
     pos: torch.Tensor
     real: torch.Tensor
+    rows: torch.Tensor
+    cu_seqlens: torch.Tensor
 
 
 def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
@@ -257,7 +261,9 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     index = (starts.nonzero().squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
     if not (torch.equal(pos[index[valid]], offsets.expand_as(index)[valid]) and bool(real[index[valid]].all())):
         raise ValueError("exact attention needs each sequence's real tokens in a run with positions 0, 1, 2, ...")
-    return Sequences(index, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real)
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return Sequences(index, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real,
+                     real.nonzero().squeeze(1), cu_seqlens)
 
 
 def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Sequences,
@@ -270,6 +276,11 @@ def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     def rows(x):  # [B, h, T, d] -> [B * T, h, d]: a token per row
         return x.transpose(1, 2).reshape(B * T, x.shape[1], d)
 
+    kernels = _kernels(query)
+    if kernels is not None:  # the same arithmetic in one op, whose backward can be flash attention's
+        out = kernels.sequence_attention(rows(query), rows(key), rows(value), layout.index, layout.lengths,
+                                         layout.seq, layout.pos, layout.real, layout.rows, layout.cu_seqlens, scale)
+        return out.reshape(B, T, heads, d)
     S, L = layout.index.shape
     q_pos = torch.arange(L, device=query.device).expand(S, L)
     queries = rows(query)[layout.index].transpose(1, 2)  # [S, heads, L, d]

@@ -154,10 +154,10 @@ def _small_tile_agrees(device: torch.device, dtype: torch.dtype) -> bool:
     return _AGREES[key]
 
 
-@triton.jit(do_not_specialize=["queries", "keys", "stride_ps", "stride_is"])
-def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, queries, keys, scale,
+@triton.jit(do_not_specialize=["queries", "keys", "stride_ps", "stride_is", "stride_ls", "stride_lh"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, lse_ptr, queries, keys, scale,
                       stride_qs, stride_qh, stride_qt, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
-                      stride_os, stride_oh, stride_ot, stride_ps, stride_is,
+                      stride_os, stride_oh, stride_ot, stride_ps, stride_is, stride_ls, stride_lh,
                       GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr, STATIC_KEYS: tl.constexpr,
                       INTERPRETED: tl.constexpr):
@@ -205,6 +205,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, q
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(out_ptr + s * stride_os + head[:, None] * stride_oh + t[:, None] * stride_ot + dims[None, :], out,
              mask=real[:, None] & in_dim[None, :])
+    # the log-sum-exp of the row's scaled scores (flash attention's, for its backward); +inf where it sees no key
+    seen = total > 0
+    tl.store(lse_ptr + s * stride_ls + head * stride_lh + t,
+             tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("inf")), mask=real)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
@@ -221,7 +225,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
 @torch.library.custom_op("mt_env::exact_attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
                   scale: float, k_index: Optional[torch.Tensor]) -> torch.Tensor:
-    return _attention(q, k, v, q_pos, k_len, scale, k_index)
+    return _attention(q, k, v, q_pos, k_len, scale, k_index)[0]
 
 
 @_attention_op.register_fake
@@ -278,7 +282,9 @@ def _reference(q, k, v, q_pos, k_len, scale):
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-               scale: float, k_index: torch.Tensor | None = None) -> torch.Tensor:
+               scale: float, k_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`attention`'s output, and each (sequence, head, query) row's log-sum-exp of its scaled scores [S, heads, Tq]
+    (float32; +inf for a row that sees no key): what flash attention's backward takes."""
     _check_attention(q, k, v, k_index)
     S, heads, Tq, d = q.shape
     q, k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (q, k, v))
@@ -291,17 +297,93 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
         Tk, index = k_index.shape[1], k_index.contiguous()
         k_strides, v_strides = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
     out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((S, heads, Tq), float("inf"), dtype=torch.float32, device=q.device)
     if S == 0 or Tq == 0 or Tk == 0:
-        return out
+        return out, lse
     group = heads // kv_heads
     grid = (triton.cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
-    _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, Tq, Tk, scale, *q.stride()[:3], *k_strides,
-                            *v_strides, *out.stride()[:3], q_pos.stride(0), index.stride(0), GROUP=group, DIM=d,
-                            BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK,
-                            IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
+    _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q.stride()[:3], *k_strides,
+                            *v_strides, *out.stride()[:3], q_pos.stride(0), index.stride(0), *lse.stride()[:2],
+                            GROUP=group, DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
+                            BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
                             STATIC_KEYS=Tk if _INTERPRETED else 0, INTERPRETED=_INTERPRETED, num_warps=4,
                             num_stages=2)
-    return out
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------- the trainer's attention
+def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+                       seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, rows: torch.Tensor,
+                       cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of each sequence of a trainer's batch over its own tokens, in the layout transformers gives:
+    `q` [N, heads, d], `k`, `v` [N, kv_heads, d] a token per row, the sequences (`agents.exact.Sequences`: `index`,
+    `lengths`, each row's `seq` and `pos`, `real`, the `rows` of real tokens in sequence order and their boundaries
+    `cu_seqlens` [S + 1]); returns [N, heads, d] in q's dtype, 0 on rows of no sequence. The same bits as `attention`
+    over the queries gathered by `index` (what the engine computes). The backward is flash attention's on the real
+    rows where it runs (CUDA, half precision: from this forward's output and log-sum-exp, at the cost of the fast
+    path's backward), else the SDPA recomputation of `attention`'s backward; gradients are not compared bit for
+    bit."""
+    return torch.ops.mt_env.exact_sequence_attention(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens,
+                                                     scale)[0]
+
+
+@torch.library.custom_op("mt_env::exact_sequence_attention", mutates_args=())
+def _sequence_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+                 seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, rows: torch.Tensor,
+                 cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output [N, heads, d], the log-sum-exp [S, heads, L] for the backward)."""
+    S, L = index.shape
+    queries = q[index].transpose(1, 2)  # [S, heads, L, d]
+    out, lse = _attention(queries, k, v, torch.arange(L, device=q.device).expand(S, L), lengths, scale, index)
+    flat = out.to(q.dtype).transpose(1, 2)[seq, pos]  # [N, heads, d]: each token's own row
+    return torch.where(real[:, None, None], flat, flat.new_zeros(())), lse
+
+
+@_sequence_op.register_fake
+def _(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, scale):
+    _check_attention(q.new_empty(index.shape[0], q.shape[1], index.shape[1], q.shape[2]), k, v, index)
+    return q.new_empty(q.shape), q.new_empty(index.shape[0], q.shape[1], index.shape[1], dtype=torch.float32)
+
+
+def _sequence_setup(ctx, inputs, output):
+    q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, *output)
+
+
+def _sequence_backward(ctx, grad, _):
+    q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, out, lse = ctx.saved_tensors
+    if _flash_backward_runs(q):
+        L = index.shape[1]
+        lse_rows = lse[seq[rows], :, pos[rows]].t().contiguous()  # [heads, R]: flash's varlen layout
+        none = q.new_empty(0)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad[rows].contiguous(), q[rows], k[rows], v[rows], out[rows], lse_rows, cu_seqlens, cu_seqlens, L, L,
+            0.0, True, none, none, scale=ctx.scale)
+        return (*(torch.zeros_like(t).index_put_((rows,), g) for t, g in ((q, dq), (k, dk), (v, dv))),
+                *(None,) * 8)
+    inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+    with torch.enable_grad():
+        queries, keys, values = inputs[0][index].transpose(1, 2), inputs[1][index].transpose(1, 2), \
+            inputs[2][index].transpose(1, 2)
+        S, L = index.shape
+        attended = _reference(queries, keys, values, torch.arange(L, device=q.device).expand(S, L), lengths,
+                              ctx.scale)
+        flat = attended.to(q.dtype).transpose(1, 2)[seq, pos]
+        flat = torch.where(real[:, None, None], flat, flat.new_zeros(()))
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = iter(torch.autograd.grad(flat, wanted, grad) if wanted else ())
+    return (*(next(grads) if t.requires_grad else None for t in inputs), *(None,) * 8)
+
+
+_sequence_op.register_autograd(_sequence_backward, setup_context=_sequence_setup)
+
+
+def _flash_backward_runs(q: torch.Tensor) -> bool:
+    """Whether flash attention's backward takes `q` ([N, heads, d]): CUDA, half precision, head_dim a multiple of 8
+    up to 256, a device of compute capability 8.0 or more (Ampere on)."""
+    d = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+            and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 
 # --------------------------------------------------------------------------------------------- row sum

@@ -132,6 +132,14 @@ def test_attention_is_close_to_the_torch_version(data):
     expected = exact.attention(*on_cpu[:3], *on_cpu[3:], scale)  # the torch version (CPU)
     assert got.dtype == torch.float32 and got.shape == q.shape
     torch.testing.assert_close(got.cpu(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # the log-sum-exp of each row's visible scaled scores (what flash attention's backward takes)
+    group = q.shape[1] // k.shape[1]
+    scores = on_cpu[0].double() @ on_cpu[1].double().repeat_interleave(group, 1).transpose(-1, -2) * scale
+    keys = torch.arange(k.shape[2])
+    visible = (keys[None, :] <= on_cpu[3][:, :, None]) & (keys < on_cpu[4][:, None, None])
+    lse = torch.logsumexp(scores.masked_fill(~visible[:, None], float("-inf")), -1)
+    torch.testing.assert_close(triton_exact._attention(q, k, v, positions, lengths, scale)[1].cpu().double(), lse,
+                               atol=1e-4, rtol=1e-4)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
@@ -210,6 +218,47 @@ def test_the_kernels_are_differentiable_as_the_torch_versions():
     out = exact.attention(*cpu, positions.cpu(), lengths.cpu(), 0.25)  # the torch version (CPU)
     for a, b in zip(g, torch.autograd.grad(out.square().sum(), cpu)):
         torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(data=st.data())
+def test_the_trainers_attention_has_the_engines_bits_and_the_references_gradients(data):
+    """`sequence_attention` (the trainer's, over transformers' flat rows: packed sequences, padding between and
+    after): each real token's output has the bits of `attention` over its sequence's gathered queries (the engine's
+    arithmetic), padding gets 0; its gradients (on CUDA in half precision: flash attention's backward) are close to
+    those of the torch version's."""
+    dtype = data.draw(st.sampled_from(DTYPES))
+    rows = data.draw(st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=3), min_size=1, max_size=3))
+    width = max(sum(r) for r in rows) + data.draw(st.integers(0, 5))
+    position_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, lengths in enumerate(rows):
+        at = 0
+        for n in lengths:
+            position_ids[b, at:at + n], real[b, at:at + n] = torch.arange(n), True
+            at += n
+    layout = exact.sequences(position_ids.to(DEVICE), real.to(DEVICE))
+    kv_heads, group, d = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([1, 3, 7])), 64
+    seed, N = data.draw(st.integers(0, 2**16)), len(rows) * width
+    q, k, v = (randn(N, h, d, seed=seed + i, dtype=dtype) for i, h in enumerate((kv_heads * group, kv_heads, kv_heads)))
+    fields = (layout.index, layout.lengths, layout.seq, layout.pos, layout.real, layout.rows, layout.cu_seqlens)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = triton_exact.sequence_attention(*leaves, *fields, d ** -0.5)
+    S, L = layout.index.shape
+    engine = triton_exact.attention(q[layout.index].transpose(1, 2), k, v, torch.arange(L, device=DEVICE).expand(S, L),
+                                    layout.lengths, d ** -0.5, layout.index).to(dtype).transpose(1, 2)
+    assert torch.equal(got[layout.real].detach(), engine[layout.seq, layout.pos][layout.real])
+    assert not got[~layout.real].any()
+    weights = randn(*got.shape, seed=seed + 3)
+    grads = torch.autograd.grad((got.float() * weights).sum(), leaves)
+    cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
+    as_batch = [t.reshape(len(rows), width, t.shape[1], d).transpose(1, 2) for t in cpu]
+    cpu_layout = exact.sequences(position_ids, real)
+    expected = exact.sequence_attention(*as_batch, cpu_layout, d ** -0.5).reshape(N, -1, d)  # the torch version
+    tolerance = 2 * TOLERANCE[dtype]
+    torch.testing.assert_close(got.detach().cpu().float(), expected, atol=tolerance, rtol=tolerance)
+    for a, b in zip(grads, torch.autograd.grad((expected * weights.cpu()).sum(), cpu)):
+        torch.testing.assert_close(a.cpu().float(), b, atol=tolerance, rtol=tolerance)
 
 
 # --------------------------------------------------------------------------------------------- row sum
