@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from agents.compiling import compiled
+
 #: rows per matmul call of `linear` (a pass pads its rows to whole tiles)
 TILE_ROWS = 32
 #: key positions per block of `attention`'s online softmax
@@ -135,12 +137,70 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def softmax_stats(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """For each row of `logits` [N, V] and float32 `temperature` [N], with z = logits.float() / T: float32 [N, 3] of
+    (m, s, w), m the max of z, s the sum of exp(z - m) in an order set by V alone (a row's bits do not depend on the
+    other rows), w the sum of exp(z - m) * z (for the entropy). On CUDA one `triton_exact.softmax_stats` launch that
+    reads the logits twice; on CPU `tree_sum`."""
+    kernels = _kernels(logits)
+    if kernels is not None:
+        return kernels.softmax_stats(logits, temperature)
+    z = logits.float() / temperature.float()[:, None]
+    top = z.amax(-1, keepdim=True)
+    e = torch.exp(z - top)
+    return torch.stack([top[:, 0], tree_sum(e), (e * z).sum(-1)], -1)
+
+
 def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits.float() / temperature[:, None])`` of `logits` [N, vocab] with a per-row float32
-    `temperature` [N]: the function the engine's sampler and the trainer's logprobs share in exact mode."""
-    z = logits.float().contiguous() / temperature.float()[:, None]
-    shifted = z - z.amax(-1, keepdim=True)
-    return shifted - torch.log(last_sum(torch.exp(shifted), keepdim=True))
+    `temperature` [N], as (z - m) - log(s) of `softmax_stats`: the engine's sampler's logprobs in exact mode.
+    `token_logprob` gives the trainer the same bits for one token per row."""
+    stats = softmax_stats(logits, temperature)
+    z = logits.float() / temperature.float()[:, None]
+    return (z - stats[:, :1]) - torch.log(stats[:, 1:2])
+
+
+def token_logprob(logits: torch.Tensor, targets: torch.Tensor,
+                  temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logprob of `targets` [N] under ``tempered_log_softmax(logits, temperature)`` — the same bits as that
+    function's entry, computed without it — and the distribution's entropy (float32 [N] each). Differentiable in
+    `logits`: the backward is the softmax's gradient, written out (one pass over the logits; not compared bit for
+    bit), so no [N, vocab] float32 tensor is kept or made beyond the backward's own."""
+    return _TokenLogprob.apply(logits, targets, temperature)
+
+
+class _TokenLogprob(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, temperature):
+        temperature = temperature.float()
+        stats = softmax_stats(logits, temperature)
+        top, log_total = stats[:, 0], torch.log(stats[:, 1])
+        z = logits.gather(1, targets[:, None]).squeeze(1).float() / temperature
+        entropy = (top + log_total) - stats[:, 2] / stats[:, 1]
+        ctx.save_for_backward(logits, targets, temperature, top + log_total, entropy)
+        return (z - top) - log_total, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprob, grad_entropy):
+        logits, targets, temperature, log_normaliser, entropy = ctx.saved_tensors
+        grad = (compiled(_logits_grad) if logits.is_cuda else _logits_grad)(
+            logits, targets, temperature, log_normaliser, entropy, _or_zeros(grad_logprob, entropy),
+            _or_zeros(grad_entropy, entropy))
+        return grad, None, None
+
+
+def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _logits_grad(logits, targets, temperature, log_normaliser, entropy, grad_logprob, grad_entropy):
+    """d/dlogits of grad_logprob * log p(target) + grad_entropy * H, with log p = z - log_normaliser, z = x / T:
+    (onehot - p) * grad_logprob - p * (log p + H) * grad_entropy, over T, in the logits' dtype."""
+    logp = logits.float() / temperature[:, None] - log_normaliser[:, None]
+    p = torch.exp(logp)
+    grad_z = -p * (grad_logprob[:, None] + grad_entropy[:, None] * (logp + entropy[:, None]))
+    grad_z = grad_z.scatter_add(1, targets[:, None], grad_logprob[:, None])
+    return (grad_z / temperature[:, None]).to(logits.dtype)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,

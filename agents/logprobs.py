@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from agents.compiling import compiled
-from agents.exact import ops, tempered_log_softmax
+from agents.exact import ops, token_logprob
 
 #: hidden states per chunk: a float32 [chunk, 152k] is ~0.6 GB (what a chunk's backward holds a few of)
 CHUNK_TOKENS = 1024
@@ -37,16 +37,16 @@ def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: fl
                     with_entropy: bool = False, exact: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 logprobs of `targets` [N] under ``softmax(logits.float() / temperature)`` (`logits` [N, vocab], any
     float dtype; `temperature` a number or one per row, [N]), and that distribution's entropy [N] when asked.
-    `exact`: through `agents.exact.tempered_log_softmax`, as the engine's sampler in exact mode (a temperature of 0
-    counts as 1 there, as for the sampler's greedy rows)."""
-    if exact:
+    `exact`: the bits of `agents.exact.tempered_log_softmax`, the engine's sampler's in exact mode, through
+    `agents.exact.token_logprob` (a temperature of 0 counts as 1 there, as for the sampler's greedy rows)."""
+    if exact:  # one token per row: the sampler's bits without its [N, vocab] log-softmax
         per_row = torch.as_tensor(temperature, dtype=torch.float32, device=logits.device).expand(len(logits))
-        logp = tempered_log_softmax(logits, torch.where(per_row == 0, 1.0, per_row))
-    else:
-        if isinstance(temperature, torch.Tensor):
-            temperature = temperature.float()[:, None]
-        z = logits.float() / temperature
-        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
+        logprobs, entropy = token_logprob(logits, targets, torch.where(per_row == 0, 1.0, per_row))
+        return logprobs, entropy if with_entropy else None
+    if isinstance(temperature, torch.Tensor):
+        temperature = temperature.float()[:, None]
+    z = logits.float() / temperature
+    logp = z - torch.logsumexp(z, dim=-1, keepdim=True)
     logprobs = logp.gather(-1, targets[:, None]).squeeze(-1)
     if not with_entropy:
         return logprobs, None

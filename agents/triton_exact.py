@@ -445,3 +445,66 @@ def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
                                           STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                                           num_warps=4 if block >= 512 else 1)
     return out.reshape(*x.shape[:-1], *((1,) if keepdim else ()))
+
+
+# --------------------------------------------------------------------------------------------- softmax statistics
+@triton.jit(do_not_specialize=["n"])
+def _softmax_stats_kernel(x_ptr, temp_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, STATIC_N: tl.constexpr,
+                          INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    lanes = tl.arange(0, BLOCK)
+    temperature = tl.load(temp_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    for start in range(0, STATIC_N if INTERPRETED else n, BLOCK):  # the max: exact in any order
+        at = start + lanes
+        x = tl.load(x_ptr + row * stride_row + at, mask=at < n, other=float("-inf")).to(tl.float32)
+        best = tl.maximum(best, tl.math.div_rn(x, temperature))  # IEEE division: torch's z = x / T, bit for bit
+    top = tl.max(best, 0)
+    total = tl.zeros([BLOCK], tl.float32)
+    weighted = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, STATIC_N if INTERPRETED else n, BLOCK):  # each lane adds its elements in order
+        at = start + lanes
+        inside = at < n
+        z = tl.math.div_rn(tl.load(x_ptr + row * stride_row + at, mask=inside, other=0.0).to(tl.float32), temperature)
+        e = tl.where(inside, tl.exp(z - top), 0.0)
+        total += e
+        weighted += e * z
+    tl.store(out_ptr + row * 3, top)
+    tl.store(out_ptr + row * 3 + 1, tl.sum(total, 0))  # one tree over the lanes, fixed by BLOCK
+    tl.store(out_ptr + row * 3 + 2, tl.sum(weighted, 0))
+
+
+def softmax_stats(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """`agents.exact.softmax_stats`'s contract for `x` [N, V] (any float dtype, rows may be strided) and float32
+    `temperature` [N]: float32 [N, 3] of (m, s, w) per row: the max of z = x / T, the sum of exp(z - m) in an order
+    set by V alone (lanes of `SUM_BLOCK`, then one tree), and the sum of exp(z - m) * z. Not differentiable."""
+    return torch.ops.mt_env.exact_softmax_stats(x, temperature)
+
+
+@torch.library.custom_op("mt_env::exact_softmax_stats", mutates_args=())
+def _softmax_stats_op(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    _check_softmax_stats(x, temperature)
+    n = x.shape[1]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    temperature = temperature.to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], 3, dtype=torch.float32, device=x.device)
+    if x.shape[0]:
+        block = min(SUM_BLOCK, triton.next_power_of_2(max(n, 1)))
+        _softmax_stats_kernel[(x.shape[0],)](x, temperature, out, n, x.stride(0), BLOCK=block,
+                                             STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
+                                             num_warps=4 if block >= 512 else 1)
+    return out
+
+
+@_softmax_stats_op.register_fake
+def _(x, temperature):
+    _check_softmax_stats(x, temperature)
+    return x.new_empty(x.shape[0], 3, dtype=torch.float32)
+
+
+def _check_softmax_stats(x: torch.Tensor, temperature: torch.Tensor) -> None:
+    if x.dim() != 2 or temperature.shape != x.shape[:1] or x.dtype not in MATMUL_CONFIGS or x.shape[1] == 0:
+        raise ValueError(f"exact softmax_stats: x [N, V > 0] of a dtype of {list(MATMUL_CONFIGS)} and temperature "
+                         f"[N], got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(temperature.shape)}")

@@ -223,6 +223,37 @@ def test_attention_of_one_query_equals_the_full_pass_and_the_reference():
     torch.testing.assert_close(full, reference, atol=1e-5, rtol=1e-5)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 12), vocab=st.sampled_from([1, 7, 96, 1500]), limit=st.integers(0, 5), seed=st.integers(0, 999),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_the_trainers_token_logprob_is_the_samplers_and_differentiates_as_log_softmax(n, vocab, limit, seed, dtype):
+    """`exact.token_logprob` (the trainer's, one token per row, logits possibly a column slice: a vocabulary limit)
+    gives the entry of `exact.tempered_log_softmax` (the sampler's) bit for bit, whatever rows share the call; its
+    entropy and gradients are those of a plain log-softmax."""
+    g = torch.Generator().manual_seed(seed)
+    full = (torch.randn(n, vocab + limit, generator=g) * 4).to(dtype).to(DEVICE)
+    logits = full[:, :vocab]
+    temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
+    targets = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
+    sampler = exact.tempered_log_softmax(logits.float(), temperature)
+    leaf = logits.detach().clone().requires_grad_()
+    logprob, entropy = exact.token_logprob(leaf, targets, temperature)
+    assert torch.equal(logprob, sampler.gather(1, targets[:, None]).squeeze(1))
+    rows = torch.randperm(n, generator=g)[:max(1, n // 2)].to(DEVICE)
+    assert torch.equal(exact.token_logprob(logits[rows], targets[rows], temperature[rows])[0], logprob[rows])
+    weights = torch.randn(2, n, generator=g).to(DEVICE)
+    grad = torch.autograd.grad((weights[0] * logprob + weights[1] * entropy).sum(), leaf)[0]
+    plain = logits.detach().float().clone().requires_grad_()
+    logp = torch.log_softmax(plain / temperature[:, None], -1)
+    plain_entropy = -(logp.exp() * logp).sum(-1)
+    torch.testing.assert_close(entropy, plain_entropy, atol=1e-4, rtol=1e-4)
+    target_logp = logp.gather(1, targets[:, None]).squeeze(1)
+    expected = torch.autograd.grad((weights[0] * target_logp + weights[1] * plain_entropy).sum(), plain)[0]
+    assert grad.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grad.float(), expected, atol=tolerance, rtol=tolerance)
+
+
 def test_lora_adapters_keep_the_bits_equal():
     """Exact mode runs the module's own code, LoRA adapters (peft) included: the engine generates through them and the
     trainer scores through them, bit for bit."""

@@ -284,3 +284,26 @@ def test_row_sum_is_differentiable_and_refuses_other_dtypes():
     assert triton_exact.row_sum(randn(0, 5, seed=0)).shape == (0,)
     with pytest.raises(ValueError, match="float32"):
         triton_exact.row_sum(randn(2, 5, seed=0, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------------------------- softmax statistics
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(rows=st.integers(1, 30), picks=st.lists(st.integers(0, 29), min_size=1, max_size=10),
+       n=st.sampled_from([1, 5, 1000, 2500]), seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES))
+def test_softmax_stats_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed, dtype):
+    """The log-softmax's statistics (max, sum of exp, exp-weighted sum) of any selection of rows, of a column slice
+    (a vocabulary limit) too, have the bits of the full call's; values close to torch's; the max is torch's z = x / T
+    exactly (IEEE division)."""
+    x = (randn(30, n + 3, seed=seed) * 5).to(dtype)[:, :n]
+    temperature = torch.rand(30, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.2
+    full = triton_exact.softmax_stats(x, temperature)
+    chosen = torch.tensor([p % rows for p in picks], device=DEVICE)
+    assert torch.equal(triton_exact.softmax_stats(x[:rows][chosen].contiguous(), temperature[:rows][chosen]),
+                       full[chosen])
+    z = x.float() / temperature[:, None]
+    assert torch.equal(full[:, 0], z.amax(-1))
+    e = torch.exp(z.double() - full[:, :1].double())
+    torch.testing.assert_close(full[:, 1].double(), e.sum(-1), atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(full[:, 2].double(), (e * z.double()).sum(-1), atol=1e-3, rtol=1e-5)
+    with pytest.raises(ValueError, match="softmax_stats"):
+        triton_exact.softmax_stats(x, temperature[:2])
