@@ -20,6 +20,9 @@
 #                                        #   its layers eager), its mismatch at every step and its phases
 #                                        #   -> $EXP/rl_step_exact.json
 #   bash benchmarks/run_gpu.sh agent_b   # 1 GPU: workload B alone, prefix cache on/off -> $EXP/agent_B.json
+#   bash benchmarks/run_gpu.sh exact_update  # 1 GPU: exact mode's cost at an update of the smoke recipe's size (128
+#                                        #   sequences of up to 768 tokens, 32k-token micro-batches), with the costliest
+#                                        #   operations of each exact phase and of the plain update -> $EXP/exact_update.json
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
 #                                        #   and device-busy time, where the device waited for the host (issue 29)
 #                                        #   -> the report printed, the trace in $EXP/step_trace/
@@ -110,6 +113,11 @@ case "${1:-}" in
     MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=false \
       --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12
     echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
+  exact_update)  # an experiment: bench_exact at an update of the recipe's size, and where its time goes (issue 28)
+    timeout 500 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b --batch 128 --prompt 512 \
+      --new-tokens 256 --micro-tokens 32768 --repeats 1 --profile 25 --out "$EXP/exact_update.json" 2>&1 \
+      | grep -v "Warn\|warn" | tail -150
+    echo "bench_exact update rc=${PIPESTATUS[0]}" ;;
   exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
     timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -60
     echo "bench_exact_matmul rc=${PIPESTATUS[0]}" ;;
@@ -171,6 +179,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|step_vocab|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|step_vocab|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac
