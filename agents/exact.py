@@ -11,7 +11,8 @@ cached prefix, or the trainer scores it in a padded or packed micro-batch of any
 * `attention`: one function for decode, prefill and training: the key axis cut into blocks of ``KEY_BLOCK``
   positions from position 0, an online softmax over them in order; a block a query cannot see changes nothing;
   a query's products are matmuls of one shape (tiles of ``QUERY_TILE`` rows), as `linear`'s.
-* `tempered_log_softmax`: the logprobs the sampler and the trainer both take.
+* `tempered_log_softmax`: the sampler's logprobs, from `softmax_stats` (max, sum of exp in a fixed order);
+  `token_logprob`: the trainer's, the same bits for one token per row, with a written-out gradient.
 
 `ops()` routes a module's ``F.linear``, ``F.silu`` and last-dimension ``mean`` through these while it is active (a
 thread-local `TorchFunctionMode`): the engine's layer functions and the trainer's transformers forward run the

@@ -1,24 +1,23 @@
-"""Exact mode's matmul, attention and row sum as Triton kernels (CUDA; docs/exact.md, "On CUDA"): the contracts of
-`agents.exact.linear`, `agents.exact.attention` and `agents.exact.last_sum`, one launch each instead of many.
+"""Exact mode's kernels in Triton (CUDA; docs/exact.md, "On CUDA"): the contracts of `agents.exact.linear`,
+`attention`, `last_sum` and `softmax_stats`, one launch each instead of many.
 
 Why kernels of our own: cuBLAS picks its algorithm, tile and split-K from the problem's shape, and SDPA / flash
 attention pick their split of the key axis from the batch and the lengths, so a row's bits depend on how many rows
 share its call. Batch invariance needs one configuration, fixed in the code, whatever the shapes of the call.
 
-* `matmul`: each program owns one [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps, accumulating
-  in float32 (no split-K, no autotune); programs go down M first, so a weight tile is read from memory once. An output element is accumulated in the same order by the same instructions
-  wherever its row sits in its tile (rows past M are masked zeros that feed no other row): a row's bits depend on its
-  own values only. The tile is fixed per dtype (`MATMUL_CONFIGS`), but a bf16 call of at most `SMALL_M` rows takes
-  a smaller one with the same BLOCK_K (`SMALL_M_CONFIGS`): the same bits where the MMA instructions agree across tile
-  shapes (measured: docs/exact.md), checked once per device (`_small_tile_agrees`), the large tile where they differ.
-* `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order with an online
-  softmax in float32. A program holds `QUERY_BLOCK` (query, head) rows of one sequence and one KV head, each row's
-  arithmetic its own (scores, max, sum, rescaling, output: per-row, in an order the fixed layout sets). It runs up to
-  its last query's block; for a row a block past its own position is an exact no-op (scores -inf: p = 0, the max
-  stays, the rescale is exp(0) = 1), so which queries share a program (decode's one, a prefill after a cached
-  prefix, the trainer's whole sequence) and trailing keys change no bit. Keys past `k_len` are never read.
-* `row_sum`: one program per row, `SUM_BLOCK` lanes each adding the row's elements at its lane in order, then one
-  fixed tree over the lanes: an order set by the row's length alone.
+* `matmul`: a program owns one [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps into float32 (no
+  split-K, no autotune; programs go down M first, so a weight tile is read once): an element is accumulated in one
+  order by the same instructions wherever its row sits, so a row's bits depend on its own values only. One tile per
+  dtype (`MATMUL_CONFIGS`); a bf16 call of at most `SMALL_M` rows takes a smaller one with the same BLOCK_K
+  (`SMALL_M_CONFIGS`) where it gives the same bits, checked once per device (`_small_tile_agrees`).
+* `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order (online
+  softmax, float32); a program holds `QUERY_BLOCK` (query, head) rows, each row's arithmetic its own. A block past a
+  row's position is an exact no-op for it (p = 0, the max stays, the rescale is exp(0) = 1), so which queries share a
+  program (decode's one, a prefill after a cached prefix, the trainer's whole sequence) and trailing keys change no
+  bit. It also writes each row's log-sum-exp: `sequence_attention` (the trainer's) differentiates by flash
+  attention's backward from this forward's output and log-sum-exp (gradients are not compared bit for bit).
+* `row_sum`, `softmax_stats`: one program per row, `SUM_BLOCK` lanes each adding the row's elements at its lane in
+  order, then one fixed tree over the lanes: an order set by the row's length alone.
 
 Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU, float32) a loop bound must be a constant: there the loops run
 over the whole axis with the same masks — the same arithmetic, by the no-op argument above.

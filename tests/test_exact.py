@@ -250,7 +250,7 @@ def test_the_trainers_token_logprob_is_the_samplers_and_differentiates_as_log_so
     target_logp = logp.gather(1, targets[:, None]).squeeze(1)
     expected = torch.autograd.grad((weights[0] * target_logp + weights[1] * plain_entropy).sum(), plain)[0]
     assert grad.dtype == dtype
-    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    tolerance = 1e-4 if dtype == torch.float32 else 1e-2  # z up to ~40: log p and H cancel in float32
     torch.testing.assert_close(grad.float(), expected, atol=tolerance, rtol=tolerance)
 
 
