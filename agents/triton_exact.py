@@ -354,10 +354,10 @@ def _sequence_backward(ctx, grad, _):
     if _flash_backward_runs(q):
         L = index.shape[1]
         lse_rows = lse[seq[rows], :, pos[rows]].t().contiguous()  # [heads, R]: flash's varlen layout
-        none = q.new_empty(0)
+        philox = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state: unread without dropout
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
             grad[rows].contiguous(), q[rows], k[rows], v[rows], out[rows], lse_rows, cu_seqlens, cu_seqlens, L, L,
-            0.0, True, none, none, scale=ctx.scale)
+            0.0, True, philox, philox, scale=ctx.scale)
         return (*(torch.zeros_like(t).index_put_((rows,), g) for t, g in ((q, dq), (k, dk), (v, dv))),
                 *(None,) * 8)
     inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
