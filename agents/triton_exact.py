@@ -264,8 +264,8 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_index:
                          f"{tuple(v.shape)}")
     if flat and (k_index.dim() != 2 or k_index.shape[0] != S):
         raise ValueError(f"exact attention: k_index [S, Tk] for q of S = {S}, got {tuple(k_index.shape)}")
-    if q.dtype not in MATMUL_CONFIGS or d < 16:
-        raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 16, got {q.dtype}, {d}")
+    if q.dtype not in MATMUL_CONFIGS or d < 1:  # (a head_dim under 16 is padded to 16 with masked zeros: BLOCK_D)
+        raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 1, got {q.dtype}, {d}")
 
 
 def _reference(q, k, v, q_pos, k_len, scale):
