@@ -352,26 +352,37 @@ def _sequence_setup(ctx, inputs, output):
 def _sequence_backward(ctx, grad, _):
     q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, out, lse = ctx.saved_tensors
     if _flash_backward_runs(q):
-        L = index.shape[1]
-        lse_rows = lse[seq[rows], :, pos[rows]].t().contiguous()  # [heads, R]: flash's varlen layout
-        philox = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state: unread without dropout
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad[rows].contiguous(), q[rows], k[rows], v[rows], out[rows], lse_rows, cu_seqlens, cu_seqlens, L, L,
-            0.0, True, philox, philox, scale=ctx.scale)
-        return (*(torch.zeros_like(t).index_put_((rows,), g) for t, g in ((q, dq), (k, dk), (v, dv))),
-                *(None,) * 8)
-    inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        grads = _flash_backward(grad, q, k, v, out, lse, index, seq, pos, rows, cu_seqlens, ctx.scale)
+    else:
+        grads = _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, ctx.scale, ctx.needs_input_grad)
+    return (*grads, *(None,) * 8)
+
+
+def _flash_backward(grad, q, k, v, out, lse, index, seq, pos, rows, cu_seqlens, scale):
+    """Flash attention's varlen backward over the real rows (sequence after sequence, `cu_seqlens`), from the
+    forward's output and log-sum-exp; the gradients scattered back to the flat rows (0 on padding)."""
+    lse_rows = lse[seq[rows], :, pos[rows]].t().contiguous()  # [heads, R]: flash's varlen layout
+    philox = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state: unread without dropout
+    longest = index.shape[1]
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad[rows].contiguous(), q[rows], k[rows], v[rows], out[rows], lse_rows, cu_seqlens, cu_seqlens, longest,
+        longest, 0.0, True, philox, philox, scale=scale)
+    return tuple(torch.zeros_like(t).index_put_((rows,), g) for t, g in ((q, dq), (k, dk), (v, dv)))
+
+
+def _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, scale, needs_input_grad):
+    """The gradients of the same attention recomputed with SDPA under the mask (`_reference`), where flash's backward
+    does not run."""
+    inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), needs_input_grad[:3])]
+    S, L = index.shape
     with torch.enable_grad():
-        queries, keys, values = inputs[0][index].transpose(1, 2), inputs[1][index].transpose(1, 2), \
-            inputs[2][index].transpose(1, 2)
-        S, L = index.shape
-        attended = _reference(queries, keys, values, torch.arange(L, device=q.device).expand(S, L), lengths,
-                              ctx.scale)
+        queries, keys, values = (t[index].transpose(1, 2) for t in inputs)
+        attended = _reference(queries, keys, values, torch.arange(L, device=q.device).expand(S, L), lengths, scale)
         flat = attended.to(q.dtype).transpose(1, 2)[seq, pos]
         flat = torch.where(real[:, None, None], flat, flat.new_zeros(()))
     wanted = [t for t in inputs if t.requires_grad]
     grads = iter(torch.autograd.grad(flat, wanted, grad) if wanted else ())
-    return (*(next(grads) if t.requires_grad else None for t in inputs), *(None,) * 8)
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 
 _sequence_op.register_autograd(_sequence_backward, setup_context=_sequence_setup)
