@@ -49,6 +49,10 @@ QUERY_BLOCK = 64
 #: lanes of `row_sum` (a shorter row: the next power of two of its length)
 SUM_BLOCK = 1024
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: True: `sequence_attention` differentiates by flash attention's backward where it runs (else by recomputing with
+#: SDPA). Off until checked on a GPU (built 2026-12-07 without one: docs/exact.md, "The update's backward"); a wrong
+#: gradient would be silent. ``MT_ENV_EXACT_FLASH_BACKWARD=1`` turns it on; the CUDA tests check it either way.
+FLASH_BACKWARD = os.environ.get("MT_ENV_EXACT_FLASH_BACKWARD", "0") == "1"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -319,9 +323,9 @@ def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index:
     `lengths`, each row's `seq` and `pos`, `real`, the `rows` of real tokens in sequence order and their boundaries
     `cu_seqlens` [S + 1]); returns [N, heads, d] in q's dtype, 0 on rows of no sequence. The same bits as `attention`
     over the queries gathered by `index` (what the engine computes). The backward is flash attention's on the real
-    rows where it runs (CUDA, half precision: from this forward's output and log-sum-exp, at the cost of the fast
-    path's backward), else the SDPA recomputation of `attention`'s backward; gradients are not compared bit for
-    bit."""
+    rows where it runs (`FLASH_BACKWARD`; CUDA, half precision: from this forward's output and log-sum-exp, at the
+    cost of the fast path's backward), else the SDPA recomputation of `attention`'s backward; gradients are not
+    compared bit for bit."""
     return torch.ops.mt_env.exact_sequence_attention(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens,
                                                      scale)[0]
 
@@ -389,10 +393,10 @@ _sequence_op.register_autograd(_sequence_backward, setup_context=_sequence_setup
 
 
 def _flash_backward_runs(q: torch.Tensor) -> bool:
-    """Whether flash attention's backward takes `q` ([N, heads, d]): CUDA, half precision, head_dim a multiple of 8
-    up to 256, a device of compute capability 8.0 or more (Ampere on)."""
+    """Whether flash attention's backward takes `q` ([N, heads, d]): `FLASH_BACKWARD` on, CUDA, half precision,
+    head_dim a multiple of 8 up to 256, a device of compute capability 8.0 or more (Ampere on)."""
     d = q.shape[-1]
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
+    return (FLASH_BACKWARD and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
             and torch.cuda.get_device_capability(q.device)[0] >= 8)
 
 

@@ -11,7 +11,8 @@ prompts, and the rollout/trainer logprob mismatch of each (0.0 in exact mode).
    loss takes them), a loss of their masked sum, backward; tokens of the batch per second, the best of `--repeats`.
    The optimizer step, the same in both modes, is left out.
 
-On CUDA ``on`` compiles exact mode's layers (`agents.exact.COMPILE_LAYERS` on, whatever its default), and a third
+On CUDA ``on`` compiles exact mode's layers (`agents.exact.COMPILE_LAYERS` on, whatever its default) and differentiates
+the trainer's attention by flash attention's backward (`agents.triton_exact.FLASH_BACKWARD` on), and a third
 mode, ``on_eager``, runs them uncompiled (a copy of the model made before any compilation): what compiling them
 gains, in the same run.
 
@@ -202,6 +203,10 @@ def main(argv=None) -> dict:
     figures = {"model": args.model, "batch": args.batch, "new_tokens": args.new_tokens,
                "threads": torch.get_num_threads()}
     default, exact.COMPILE_LAYERS = exact.COMPILE_LAYERS, True  # "on" compiles where it can, whatever the default
+    kernels = _triton_exact() if device.type == "cuda" else None
+    if kernels is not None:  # and differentiates by flash attention's backward, whatever the default
+        flash_default, kernels.FLASH_BACKWARD = kernels.FLASH_BACKWARD, True
+        figures["flash_backward"] = True
     try:
         batch = measure(lm, prompts, args, device, figures)
         rec.write(figures)
@@ -210,7 +215,18 @@ def main(argv=None) -> dict:
             profile_exact(lm, prompts, batch, args, args.profile)
     finally:
         exact.COMPILE_LAYERS = default
+        if kernels is not None:
+            kernels.FLASH_BACKWARD = flash_default
     return figures
+
+
+def _triton_exact():
+    """`agents.triton_exact`, or None where Triton does not import."""
+    try:
+        from agents import triton_exact
+    except ImportError:
+        return None
+    return triton_exact
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@
 #   bash benchmarks/run_gpu.sh fsdp      # 2 GPUs: the 3B shape under FSDP2 -> h200x2/scaling (the same)
 # Experiments (not the record: they go to $EXP; what they decide goes to docs/engine.md's table):
 #   bash benchmarks/run_gpu.sh exact_step  # 1 GPU: the smoke recipe's RL step in exact mode (EXACT_COMPILE_LAYERS=0:
-#                                        #   its layers eager), its mismatch at every step and its phases
+#                                        #   its layers eager; EXACT_FLASH_BACKWARD=0: the attention's backward by SDPA),
+#                                        #   its mismatch at every step and its phases
 #                                        #   -> $EXP/rl_step_exact.json
 #   bash benchmarks/run_gpu.sh agent_b   # 1 GPU: workload B alone, prefix cache on/off -> $EXP/agent_B.json
 #   bash benchmarks/run_gpu.sh exact_update  # 1 GPU: exact mode's cost at an update of the smoke recipe's size (128
@@ -110,7 +111,8 @@ case "${1:-}" in
   exact_step)  # an experiment: exact mode at the recipe's shape (256 episodes), step1's settings otherwise (exact mode
     # decides compilation: trainer.compile stays off; EXACT_COMPILE_LAYERS=0 runs its layers eagerly on both sides);
     # compare with step1's phases in the same call
-    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=false \
+    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} MT_ENV_EXACT_FLASH_BACKWARD=${EXACT_FLASH_BACKWARD:-1} \
+      rl_step --set trainer.compile=false \
       --set rollout.exact_logprobs=true --out "$EXP/rl_step_exact.json" 2>&1 | grep -v "Warn\|warn" | tail -12
     echo "bench_rl_step exact rc=${PIPESTATUS[0]}" ;;
   exact_update)  # an experiment: bench_exact at an update of the recipe's size, and where its time goes (issue 28)
