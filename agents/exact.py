@@ -177,8 +177,9 @@ class _TokenLogprob(torch.autograd.Function):
         stats = softmax_stats(logits, temperature)
         top, log_total = stats[:, 0], torch.log(stats[:, 1])
         z = logits.gather(1, targets[:, None]).squeeze(1).float() / temperature
-        entropy = (top + log_total) - stats[:, 2] / stats[:, 1]
-        ctx.save_for_backward(logits, targets, temperature, top + log_total, entropy)
+        log_normaliser = top + log_total
+        entropy = log_normaliser - stats[:, 2] / stats[:, 1]
+        ctx.save_for_backward(logits, targets, temperature, log_normaliser, entropy)
         return (z - top) - log_total, entropy
 
     @staticmethod

@@ -489,9 +489,9 @@ def _softmax_stats_kernel(x_ptr, temp_ptr, out_ptr, n, stride_row, BLOCK: tl.con
 
 
 def softmax_stats(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """`agents.exact.softmax_stats`'s contract for `x` [N, V] (any float dtype, rows may be strided) and float32
-    `temperature` [N]: float32 [N, 3] of (m, s, w) per row: the max of z = x / T, the sum of exp(z - m) in an order
-    set by V alone (lanes of `SUM_BLOCK`, then one tree), and the sum of exp(z - m) * z. Not differentiable."""
+    """`agents.exact.softmax_stats`'s contract for `x` [N, V] (bfloat16, float16 or float32; rows may be strided) and
+    float32 `temperature` [N]: float32 [N, 3] of (m, s, w) per row: the max of z = x / T, the sum of exp(z - m) in an
+    order set by V alone (lanes of `SUM_BLOCK`, then one tree), and the sum of exp(z - m) * z. Not differentiable."""
     return torch.ops.mt_env.exact_softmax_stats(x, temperature)
 
 
@@ -504,7 +504,7 @@ def _softmax_stats_op(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     temperature = temperature.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], 3, dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        block = min(SUM_BLOCK, triton.next_power_of_2(max(n, 1)))
+        block = min(SUM_BLOCK, triton.next_power_of_2(n))
         _softmax_stats_kernel[(x.shape[0],)](x, temperature, out, n, x.stride(0), BLOCK=block,
                                              STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                                              num_warps=4 if block >= 512 else 1)
@@ -520,5 +520,4 @@ def _(x, temperature):
 def _check_softmax_stats(x: torch.Tensor, temperature: torch.Tensor) -> None:
     if x.dim() != 2 or temperature.shape != x.shape[:1] or x.dtype not in MATMUL_CONFIGS or x.shape[1] == 0:
         raise ValueError(f"exact softmax_stats: x [N, V > 0] of a dtype of {list(MATMUL_CONFIGS)} and temperature "
-                         f"[N], got "
-                         f"{tuple(x.shape)} {x.dtype} and {tuple(temperature.shape)}")
+                         f"[N], got {tuple(x.shape)} {x.dtype} and {tuple(temperature.shape)}")

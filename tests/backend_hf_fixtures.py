@@ -1,8 +1,9 @@
 """What the HFBackend tests share (tests/test_backend_hf*.py, and the engine's, the prefix cache's, the exact and
 Triton tests): the test device (``MT_ENV_TEST_DEVICE``), a tiny random-init Qwen2 model, the one-CPU-thread autouse
-fixture, the `model` and `engine` (the backend's two paths) fixtures, `run` with a timeout, and argmax decoding and
-logprobs by hand, the references the backend must match. Not a test module: import what you need (a fixture is
-imported by its function's name, e.g. `model_fixture` for `model`: a test's argument does not shadow the import)."""
+fixture, the `model` and `engine` (the backend's two paths) fixtures, `run` with a timeout, argmax decoding and
+logprobs by hand, the references the backend must match, and `packed_positions` (exact mode's trainer layouts). Not
+a test module: import what you need (a fixture is imported by its function's name, e.g. `model_fixture` for `model`:
+a test's argument does not shadow the import)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,16 @@ def logprobs_by_hand(model, prompt: list[int], ids: list[int], temperature: floa
 
 
 PROMPTS = [[1, 2, 3, 4], [7] * 9, [300, 5], list(range(20, 37))]
+
+
+def packed_positions(rows: list[list[int]], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position_ids, real) [len(rows), width] of rows each packing sequences of the given lengths end to end,
+    positions counting from 0 in each, padding after them: a trainer's packed or padded batch."""
+    position_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    real = torch.zeros(len(rows), width, dtype=torch.bool)
+    for b, lengths in enumerate(rows):
+        at = 0
+        for n in lengths:
+            position_ids[b, at:at + n], real[b, at:at + n] = torch.arange(n), True
+            at += n
+    return position_ids, real

@@ -28,7 +28,7 @@ from trainers.config import Config, ConfigError, validate
 from trainers.modeling import PolicyModel, _exact_kwargs
 from trainers.ppo import Models, score
 
-from .backend_hf_fixtures import DEVICE, one_cpu_thread  # noqa: F401  (one intra-op thread for tiny matmuls)
+from .backend_hf_fixtures import DEVICE, one_cpu_thread, packed_positions  # noqa: F401  (one_cpu_thread: autouse)
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -278,13 +278,7 @@ def test_the_layout_maps_every_real_token_to_its_sequence_and_back(rows, pad):
     points back at it through `index`, a padding token is not real, and every shape is the inputs' (no token
     dropped: what lets compiled layers trace the attention whole)."""
     width = max(sum(r) for r in rows) + pad
-    position_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    real = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, lengths in enumerate(rows):
-        at = 0
-        for n in lengths:
-            position_ids[b, at:at + n], real[b, at:at + n] = torch.arange(n), True
-            at += n
+    position_ids, real = packed_positions(rows, width)
     layout = exact.sequences(position_ids, real)
     assert layout.index.shape[0] == sum(len(r) for r in rows) and layout.seq.shape == (len(rows) * width,)
     flat = torch.arange(len(rows) * width)

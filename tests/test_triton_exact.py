@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from agents import exact
 
-from .backend_hf_fixtures import DEVICE
+from .backend_hf_fixtures import DEVICE, packed_positions
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
 if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -231,13 +231,7 @@ def test_the_trainers_attention_has_the_engines_bits_and_the_references_gradient
     dtype = data.draw(st.sampled_from(DTYPES))
     rows = data.draw(st.lists(st.lists(st.integers(1, 70), min_size=1, max_size=3), min_size=1, max_size=3))
     width = max(sum(r) for r in rows) + data.draw(st.integers(0, 5))
-    position_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    real = torch.zeros(len(rows), width, dtype=torch.bool)
-    for b, lengths in enumerate(rows):
-        at = 0
-        for n in lengths:
-            position_ids[b, at:at + n], real[b, at:at + n] = torch.arange(n), True
-            at += n
+    position_ids, real = packed_positions(rows, width)
     layout = exact.sequences(position_ids.to(DEVICE), real.to(DEVICE))
     kv_heads, group = data.draw(st.integers(1, 2)), data.draw(st.sampled_from([1, 3, 7]))
     d = data.draw(st.sampled_from([8, 64]))
