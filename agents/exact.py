@@ -351,6 +351,16 @@ def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     return torch.where(layout.real[:, None, None], flat, flat.new_zeros(())).reshape(B, T, heads, d)
 
 
+def check_attention_backward(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Before a forward whose backward will run: lets `sequence_attention` differentiate by flash attention's
+    backward on `device` where it gives the recomputation's gradients (`triton_exact.flash_backward_agrees`: checked
+    once per device, dtype and head_dim, a warning where not). A no-op where the kernels do not run (CPU)."""
+    if torch.device(device).type == "cuda" or _ON_CPU:
+        kernels = _load_kernels()
+        if kernels is not None:
+            kernels.flash_backward_agrees(torch.device(device), dtype, head_dim)
+
+
 # --------------------------------------------------------------------------------------------- the mode
 class _ExactOps(TorchFunctionMode):
     """Routes ``F.linear``, ``F.silu`` and a last-dimension ``mean`` to this module's versions (others run as

@@ -26,6 +26,7 @@ over the whole axis with the same masks — the same arithmetic, by the no-op ar
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional
 
 import torch
@@ -49,10 +50,9 @@ QUERY_BLOCK = 64
 #: lanes of `row_sum` (a shorter row: the next power of two of its length)
 SUM_BLOCK = 1024
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-#: True: `sequence_attention` differentiates by flash attention's backward where it runs (else by recomputing with
-#: SDPA). Off until checked on a GPU (built 2026-12-07 without one: docs/exact.md, "The update's backward"); a wrong
-#: gradient would be silent. ``MT_ENV_EXACT_FLASH_BACKWARD=1`` turns it on; the CUDA tests check it either way.
-FLASH_BACKWARD = os.environ.get("MT_ENV_EXACT_FLASH_BACKWARD", "0") == "1"
+#: True: `sequence_attention` differentiates by flash attention's backward where flash runs and passed its check on
+#: that device (`flash_backward_agrees`), else by recomputing with SDPA. ``MT_ENV_EXACT_FLASH_BACKWARD=0`` turns it off.
+FLASH_BACKWARD = os.environ.get("MT_ENV_EXACT_FLASH_BACKWARD", "1") != "0"
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -393,12 +393,65 @@ _sequence_op.register_autograd(_sequence_backward, setup_context=_sequence_setup
 
 
 def _flash_backward_runs(q: torch.Tensor) -> bool:
-    """Whether flash attention's backward takes `q` ([N, heads, d]): `FLASH_BACKWARD` on, CUDA, half precision,
-    head_dim a multiple of 8 up to 256, a device of compute capability 8.0 or more (Ampere on)."""
-    d = q.shape[-1]
-    return (FLASH_BACKWARD and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d % 8 == 0 and d <= 256
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
+    """Whether `sequence_attention`'s backward is flash attention's for `q` ([N, heads, d]): `FLASH_BACKWARD` on,
+    flash runs there (`_flash_supported`) and gave the recomputation's gradients there (`flash_backward_agrees`)."""
+    return (FLASH_BACKWARD and _flash_supported(q.device, q.dtype, q.shape[-1])
+            and _FLASH_AGREES.get((q.device.index, q.dtype, q.shape[-1]), False))
 
+
+def _flash_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """CUDA, half precision, head_dim a multiple of 8 up to 256, compute capability 8.0 or more (Ampere on)."""
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+#: (device index, dtype, head_dim) -> whether flash's backward gave the recomputation's gradients there
+_FLASH_AGREES: dict[tuple[Optional[int], torch.dtype, int], bool] = {}
+
+
+def flash_backward_agrees(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether `sequence_attention` differentiates by flash attention's backward on `device` for `dtype` and
+    `head_dim`: `FLASH_BACKWARD` on, flash supported there, and its gradients on a small packed GQA problem within 2%
+    (of the largest) of the SDPA recomputation's, checked once per key; a disagreement or an error warns, and the
+    recomputation serves. Call it eagerly before a forward whose backward will run (`PolicyModel` does): the
+    backward, compiled or not, only reads the answer."""
+    device = torch.device(device)
+    if not (FLASH_BACKWARD and _flash_supported(device, dtype, head_dim)):
+        return False
+    key = (device.index, dtype, head_dim)
+    if key not in _FLASH_AGREES:
+        try:
+            _FLASH_AGREES[key] = _flash_matches_reference(device, dtype, head_dim)
+        except RuntimeError as error:  # a flash build that refuses these arguments: the recomputation serves
+            warnings.warn(f"exact mode: flash attention's backward failed its check ({error}); the attention's "
+                          "backward recomputes with SDPA", stacklevel=2)
+            _FLASH_AGREES[key] = False
+        if not _FLASH_AGREES[key]:
+            warnings.warn(f"exact mode: flash attention's backward disagrees with the recomputation on {device} "
+                          f"({dtype}, head_dim {head_dim}); the attention's backward recomputes with SDPA",
+                          stacklevel=2)
+    return _FLASH_AGREES[key]
+
+
+def _flash_matches_reference(device: torch.device, dtype: torch.dtype, d: int) -> bool:
+    """Three sequences (37, 64 and 1 tokens) packed in one row, 4 query heads over 2 KV heads: both backwards of
+    `sequence_attention` from one forward, each gradient within 2% of the largest of the recomputation's."""
+    lengths = torch.tensor([37, 64, 1], device=device)
+    n, longest = int(lengths.sum()), int(lengths.max())
+    starts = torch.cumsum(lengths, 0) - lengths
+    index = (starts[:, None] + torch.arange(longest, device=device)).clamp(max=n - 1)
+    seq = torch.repeat_interleave(torch.arange(3, device=device), lengths)
+    pos = torch.arange(n, device=device) - starts[seq]
+    real, rows = torch.ones(n, dtype=torch.bool, device=device), torch.arange(n, device=device)
+    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad = (torch.randn(n, h, d, generator=gen, device=device).to(dtype) for h in (4, 2, 2, 4))
+    out, lse = torch.ops.mt_env.exact_sequence_attention(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens,
+                                                         d ** -0.5)
+    flash = _flash_backward(grad, q, k, v, out, lse, index, seq, pos, rows, cu_seqlens, d ** -0.5)
+    reference = _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, d ** -0.5, (True,) * 3)
+    return all(bool((a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()) and bool(a.isfinite().all())
+               for a, b in zip(flash, reference))
 
 # --------------------------------------------------------------------------------------------- row sum
 @triton.jit(do_not_specialize=["n"])

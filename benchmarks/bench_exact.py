@@ -11,10 +11,10 @@ prompts, and the rollout/trainer logprob mismatch of each (0.0 in exact mode).
    loss takes them), a loss of their masked sum, backward; tokens of the batch per second, the best of `--repeats`.
    The optimizer step, the same in both modes, is left out.
 
-On CUDA ``on`` compiles exact mode's layers (`agents.exact.COMPILE_LAYERS` on, whatever its default) and differentiates
-the trainer's attention by flash attention's backward (`agents.triton_exact.FLASH_BACKWARD` on), and a third
-mode, ``on_eager``, runs them uncompiled (a copy of the model made before any compilation): what compiling them
-gains, in the same run.
+On CUDA ``on`` compiles exact mode's layers (`agents.exact.COMPILE_LAYERS` on, whatever its default); the record's
+``flash_backward`` says whether the update's attention backward was flash attention's (`agents.triton_exact.
+flash_backward_agrees`; ``MT_ENV_EXACT_FLASH_BACKWARD=0``: the SDPA recomputation). A third mode, ``on_eager``,
+runs them uncompiled (a copy of the model made before any compilation): what compiling them gains, in the same run.
 
 Goals (issue 28, H200, 0.5B shape): exact costs <= 1.3x the engine's time and <= 1.2x the update's.
 
@@ -204,19 +204,17 @@ def main(argv=None) -> dict:
                "threads": torch.get_num_threads()}
     default, exact.COMPILE_LAYERS = exact.COMPILE_LAYERS, True  # "on" compiles where it can, whatever the default
     kernels = _triton_exact() if device.type == "cuda" else None
-    if kernels is not None:  # and differentiates by flash attention's backward, whatever the default
-        flash_default, kernels.FLASH_BACKWARD = kernels.FLASH_BACKWARD, True
-        figures["flash_backward"] = True
     try:
         batch = measure(lm, prompts, args, device, figures)
+        if kernels is not None:  # whether the update's attention backward was flash attention's (its check passed)
+            head_dim = getattr(lm.config, "head_dim", None) or lm.config.hidden_size // lm.config.num_attention_heads
+            figures["flash_backward"] = kernels.flash_backward_agrees(device, lm.dtype, head_dim)
         rec.write(figures)
         if args.profile:
             exact.COMPILE_LAYERS = True  # exact mode with its layers compiled where they can be
             profile_exact(lm, prompts, batch, args, args.profile)
     finally:
         exact.COMPILE_LAYERS = default
-        if kernels is not None:
-            kernels.FLASH_BACKWARD = flash_default
     return figures
 
 

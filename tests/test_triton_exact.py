@@ -246,8 +246,11 @@ def test_the_trainers_attention_has_the_engines_bits_and_the_references_gradient
     assert torch.equal(got[layout.real].detach(), engine[layout.seq, layout.pos][layout.real])
     assert not got[~layout.real].any()
     weights = randn(*got.shape, seed=seed + 3)
-    with mock.patch.object(triton_exact, "FLASH_BACKWARD", data.draw(st.booleans())):  # both backwards, whatever the
-        grads = torch.autograd.grad((got.float() * weights).sum(), leaves)  # default (flash's: CUDA, bf16 only)
+    flash = data.draw(st.booleans())  # both backwards, whatever the default (flash's: CUDA, half precision only)
+    with mock.patch.object(triton_exact, "FLASH_BACKWARD", flash):
+        supported = triton_exact._flash_supported(q.device, dtype, d)
+        assert triton_exact.flash_backward_agrees(q.device, dtype, d) == (flash and supported)  # its check, here
+        grads = torch.autograd.grad((got.float() * weights).sum(), leaves)
     cpu = [t.detach().cpu().float().requires_grad_() for t in (q, k, v)]
     as_batch = [t.reshape(len(rows), width, t.shape[1], d).transpose(1, 2) for t in cpu]
     cpu_layout = exact.sequences(position_ids, real)

@@ -161,7 +161,7 @@ def _attention_kwargs(model: nn.Module, input_ids, attention_mask, position_ids,
         return dict(attention_mask=attention_mask, position_ids=position_ids)
     # packed layout: one row, causal attention within each sequence
     impl = getattr(model.config, "_attn_implementation", "sdpa")
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else next(model.parameters()).dtype
+    dtype = _compute_dtype(model)
     if impl == SDPA_VARLEN and input_ids.is_cuda and dtype in VARLEN_DTYPES:  # boundaries for the varlen kernel
         lengths = torch.bincount(seq_ids[0])
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
@@ -169,6 +169,11 @@ def _attention_kwargs(model: nn.Module, input_ids, attention_mask, position_ids,
         return dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
                     max_length_q=max_len, max_length_k=max_len)
     return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype `model`'s layers compute in: autocast's where it is on, else the parameters'."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else next(model.parameters()).dtype
 
 
 # --------------------------------------------------------------------------------------------- compiled layers
@@ -266,6 +271,10 @@ class PolicyModel(nn.Module):
         backbone = getattr(self.lm, self.lm.base_model_prefix)
         if self.exact:
             kwargs = _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids)
+            if torch.is_grad_enabled():  # a backward will run: flash attention's where it checks out (once)
+                config = self.lm.config
+                head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+                exact.check_attention_backward(input_ids.device, _compute_dtype(self.lm), head_dim)
         else:
             kwargs = _attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids)
         with exact.ops(self.exact):
