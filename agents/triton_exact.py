@@ -454,16 +454,27 @@ def _flash_matches_reference(device: torch.device, dtype: torch.dtype, d: int) -
                for a, b in zip(flash, reference))
 
 # --------------------------------------------------------------------------------------------- row sum
+@triton.jit
+def _halving_sum(x, LEVELS: tl.constexpr):
+    """The sum of `x` [2**LEVELS] by pairwise halving, x[:h] + x[h:] until one is left: a tree set by the length
+    alone. Why not `tl.sum`: its tree follows how the compiler spreads the lanes over threads, which follows the
+    input's dtype and alignment (a bfloat16 row and its float32 copy were summed in different orders on an H100).
+    A sum of two does not depend on which thread adds it, so neither does this tree."""
+    for _ in tl.static_range(LEVELS):
+        x = tl.sum(tl.reshape(x, [2, x.shape[0] // 2]), 0)
+    return tl.sum(x, 0)  # (one element)
+
+
 @triton.jit(do_not_specialize=["n"])
-def _row_sum_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, STATIC_N: tl.constexpr,
-                    INTERPRETED: tl.constexpr):
+def _row_sum_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+                    STATIC_N: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, STATIC_N if INTERPRETED else n, BLOCK):  # each lane adds its elements in order
         at = start + lanes
         acc += tl.load(x_ptr + row * stride_row + at, mask=at < n, other=0.0)
-    tl.store(out_ptr + row, tl.sum(acc, 0))  # one tree over the lanes, fixed by BLOCK
+    tl.store(out_ptr + row, _halving_sum(acc, LEVELS))  # one tree over the lanes, fixed by BLOCK
 
 
 def row_sum(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
@@ -508,7 +519,7 @@ def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
     out = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0] and n:
         block = min(SUM_BLOCK, triton.next_power_of_2(n))
-        _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=block,
+        _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=block, LEVELS=block.bit_length() - 1,
                                           STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                                           num_warps=4 if block >= 512 else 1)
     return out.reshape(*x.shape[:-1], *((1,) if keepdim else ()))
@@ -516,8 +527,8 @@ def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
 
 # --------------------------------------------------------------------------------------------- softmax statistics
 @triton.jit(do_not_specialize=["n"])
-def _softmax_stats_kernel(x_ptr, temp_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, STATIC_N: tl.constexpr,
-                          INTERPRETED: tl.constexpr):
+def _softmax_stats_kernel(x_ptr, temp_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, LEVELS: tl.constexpr,
+                          STATIC_N: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, BLOCK)
     temperature = tl.load(temp_ptr + row)
@@ -537,8 +548,8 @@ def _softmax_stats_kernel(x_ptr, temp_ptr, out_ptr, n, stride_row, BLOCK: tl.con
         total += e
         weighted += e * z
     tl.store(out_ptr + row * 3, top)
-    tl.store(out_ptr + row * 3 + 1, tl.sum(total, 0))  # one tree over the lanes, fixed by BLOCK
-    tl.store(out_ptr + row * 3 + 2, tl.sum(weighted, 0))
+    tl.store(out_ptr + row * 3 + 1, _halving_sum(total, LEVELS))  # one tree over the lanes, fixed by BLOCK
+    tl.store(out_ptr + row * 3 + 2, _halving_sum(weighted, LEVELS))
 
 
 def softmax_stats(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -559,7 +570,8 @@ def _softmax_stats_op(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     if x.shape[0]:
         block = min(SUM_BLOCK, triton.next_power_of_2(n))
         _softmax_stats_kernel[(x.shape[0],)](x, temperature, out, n, x.stride(0), BLOCK=block,
-                                             STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
+                                             LEVELS=block.bit_length() - 1, STATIC_N=n if _INTERPRETED else 0,
+                                             INTERPRETED=_INTERPRETED,
                                              num_warps=4 if block >= 512 else 1)
     return out
 

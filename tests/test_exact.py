@@ -231,18 +231,22 @@ def test_the_trainers_token_logprob_is_the_samplers_and_differentiates_as_log_so
     gives the entry of `exact.tempered_log_softmax` (the sampler's) bit for bit, whatever rows share the call; its
     entropy and gradients are those of a plain log-softmax."""
     g = torch.Generator().manual_seed(seed)
-    full = (torch.randn(n, vocab + limit, generator=g) * 4).to(dtype).to(DEVICE)
+    width = -(-(vocab + limit) // 16) * 16  # an embedding padded to a multiple of 16 rows, as real ones are
+    full = (torch.randn(n, width, generator=g) * 4).to(dtype).to(DEVICE)
     logits = full[:, :vocab]
     temperature = (torch.rand(n, generator=g) + 0.3).to(DEVICE)
     targets = torch.randint(0, vocab, (n,), generator=g).to(DEVICE)
-    sampler = exact.tempered_log_softmax(logits.float(), temperature)
-    leaf = logits.detach().clone().requires_grad_()
-    logprob, entropy = exact.token_logprob(leaf, targets, temperature)
-    assert torch.equal(logprob, sampler.gather(1, targets[:, None]).squeeze(1))
+    leaf = full.detach().clone().requires_grad_()
+    logprob, entropy = exact.token_logprob(leaf[:, :vocab], targets, temperature)
+    for sampled in (logits.float(), full.float()[:, :vocab]):  # float32 logits, contiguous or not, as the sampler's
+        sampler = exact.tempered_log_softmax(sampled, temperature)
+        assert torch.equal(logprob, sampler.gather(1, targets[:, None]).squeeze(1))
     rows = torch.randperm(n, generator=g)[:max(1, n // 2)].to(DEVICE)
     assert torch.equal(exact.token_logprob(logits[rows], targets[rows], temperature[rows])[0], logprob[rows])
     weights = torch.randn(2, n, generator=g).to(DEVICE)
     grad = torch.autograd.grad((weights[0] * logprob + weights[1] * entropy).sum(), leaf)[0]
+    assert not grad[:, vocab:].any()
+    grad = grad[:, :vocab]
     plain = logits.detach().float().clone().requires_grad_()
     logp = torch.log_softmax(plain / temperature[:, None], -1)
     plain_entropy = -(logp.exp() * logp).sum(-1)

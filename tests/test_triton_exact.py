@@ -274,6 +274,8 @@ def test_row_sum_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed):
     assert full.shape == (40,) and triton_exact.row_sum(x, keepdim=True).shape == (40, 1)
     assert torch.equal(triton_exact.row_sum(x[:rows][chosen]), full[chosen])
     assert torch.equal(triton_exact.row_sum(x.reshape(8, 5, n))[:1].reshape(-1), full[:5])
+    wide = torch.cat([x, x[:, :3]], 1)[:, :n]  # a strided view of the same values: the same bits
+    assert torch.equal(triton_exact.row_sum(wide), full)
     torch.testing.assert_close(full.double(), x.double().sum(-1), atol=1e-4 * n ** 0.5, rtol=1e-5)
 
 
@@ -292,7 +294,8 @@ def test_row_sum_is_differentiable_and_refuses_other_dtypes():
        n=st.sampled_from([1, 5, 1000, 2500]), seed=st.integers(0, 2**16), dtype=st.sampled_from(DTYPES))
 def test_softmax_stats_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed, dtype):
     """The log-softmax's statistics (max, sum of exp, exp-weighted sum) of any selection of rows, of a column slice
-    (a vocabulary limit) too, have the bits of the full call's; values close to torch's; the max is torch's z = x / T
+    (a vocabulary limit) too, have the bits of the full call's, and so has a float32 copy of the logits (the sampler
+    gets float32 logits, the trainer bfloat16); values close to torch's; the max is torch's z = x / T
     exactly (IEEE division)."""
     x = (randn(30, n + 3, seed=seed) * 5).to(dtype)[:, :n]
     temperature = torch.rand(30, generator=torch.Generator().manual_seed(seed)).to(DEVICE) + 0.2
@@ -300,6 +303,7 @@ def test_softmax_stats_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed
     chosen = torch.tensor([p % rows for p in picks], device=DEVICE)
     assert torch.equal(triton_exact.softmax_stats(x[:rows][chosen].contiguous(), temperature[:rows][chosen]),
                        full[chosen])
+    assert torch.equal(triton_exact.softmax_stats(x.float().contiguous(), temperature), full)  # the values alone
     z = x.float() / temperature[:, None]
     assert torch.equal(full[:, 0], z.amax(-1))
     e = torch.exp(z.double() - full[:, :1].double())
