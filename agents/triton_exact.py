@@ -453,6 +453,7 @@ def _flash_matches_reference(device: torch.device, dtype: torch.dtype, d: int) -
     return all(bool((a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()) and bool(a.isfinite().all())
                for a, b in zip(flash, reference))
 
+
 # --------------------------------------------------------------------------------------------- row sum
 @triton.jit
 def _halving_sum(x, LEVELS: tl.constexpr):
