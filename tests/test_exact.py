@@ -28,7 +28,7 @@ from trainers.config import Config, ConfigError, validate
 from trainers.modeling import PolicyModel, _exact_kwargs
 from trainers.ppo import Models, score
 
-from .backend_hf_fixtures import DEVICE, one_cpu_thread, packed_positions  # noqa: F401  (one_cpu_thread: autouse)
+from .backend_hf_fixtures import DEVICE, one_cpu_thread, packed_positions, run  # noqa: F401  (one_cpu_thread: autouse)
 
 VOCAB = 96
 SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -63,7 +63,7 @@ def generate(model, prompts, params, **options):
             turns = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params)))
             return turns, dict(backend.stats)
 
-    return asyncio.run(asyncio.wait_for(main(), 60))
+    return run(main(), 60)
 
 
 def batch_of(prompts, turns) -> TrainBatch:
@@ -162,8 +162,8 @@ def test_a_cached_prefix_changes_no_bit(model):
             out = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(second, params)))
             return out, dict(backend.stats)
 
-    cached, stats = asyncio.run(both_turns(True))
-    plain, plain_stats = asyncio.run(both_turns(False))
+    cached, stats = run(both_turns(True), 60)
+    plain, plain_stats = run(both_turns(False), 60)
     assert stats["cached_tokens"] > 0 and plain_stats["cached_tokens"] == 0
     for a, b in zip(cached, plain, strict=True):
         assert a.ids == b.ids and a.logprobs == b.logprobs
@@ -309,7 +309,7 @@ def test_on_cuda_both_sides_run_compiled_layers_in_whole_graphs(dtype, monkeypat
             turns = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params_of(len(prompts)))))
             return turns, backend.compile_reason
 
-    turns, reason = asyncio.run(asyncio.wait_for(main(), 300))
+    turns, reason = run(main(), 300)
     assert exact.compiles_layers(torch.device(DEVICE)) and reason.startswith("on:"), reason
     assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), micros=(1, 100))
     layers = model.model.layers
