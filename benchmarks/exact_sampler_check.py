@@ -1,0 +1,99 @@
+"""Where an exact-mode sampled logprob differs from the one the trainer's logits give (issue 28, a diagnosis).
+
+`tests/test_exact.py::test_the_sampled_token_is_the_one_the_trainers_logits_give` failed on an H100 (2026-12-07):
+same tokens, one logprob one ulp off, at temperature 0.8 (the bit-for-bit tests sample at 1.0). This script runs
+that test's generation under several settings and, with CUDA graphs off, records the logits the engine's sampler
+saw, so that it tells apart "the logits differ" from "the same logits give another logprob":
+
+    MT_ENV_TEST_DEVICE=cuda python3 benchmarks/exact_sampler_check.py
+
+Prints, per setting, how many sampled logprobs differ from the test's recomputation and, for those, whether the
+engine's logits row equals the trainer's bit for bit and what the logprob of that row alone gives.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from agents import exact  # noqa: E402
+from agents.backend import SamplingParams  # noqa: E402
+from agents.engine import model_runner  # noqa: E402
+from agents.engine.sampler import sample_tokens  # noqa: E402
+from agents.hf_backend import HFBackend  # noqa: E402
+from tests.test_exact import DEVICE, VOCAB, build, prompts_of  # noqa: E402
+from trainers.modeling import PolicyModel, _exact_kwargs  # noqa: E402
+
+SEEN: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def recording(logits, temperature, *args, **kwargs):
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        SEEN.append((logits.detach().clone(), temperature.detach().clone()))
+    return sample_tokens(logits, temperature, *args, **kwargs)
+
+
+def generate(model, prompts, params, graphs: bool):
+    async def main():
+        async with HFBackend(model, seed=0, fast_path=True, compile=False, cuda_graphs=graphs, exact=True) as b:
+            return await asyncio.gather(*(b.generate(p, q) for p, q in zip(prompts, params)))
+    return asyncio.run(asyncio.wait_for(main(), 300))
+
+
+def trainer_logits(model, prompt, turn):
+    ids = torch.tensor([prompt + turn.ids], device=DEVICE)
+    with torch.no_grad(), exact.ops():
+        hidden = model.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
+        return model.lm_head(hidden[len(prompt) - 1:-1]).float()
+
+
+def check(model, temperature: float, top_p_odd: float, graphs: bool) -> None:
+    SEEN.clear()
+    prompts = prompts_of(5, seed=4)
+    params = [SamplingParams(temperature=temperature, top_p=top_p_odd if i % 2 else 1.0, max_new_tokens=12,
+                             seed=10 + i) for i in range(len(prompts))]
+    turns = generate(model, prompts, params, graphs)
+    PolicyModel(model, exact=True)
+    bad = total = 0
+    for prompt, turn, p in zip(prompts, turns, params):
+        logits = trainer_logits(model, prompt, turn)
+        n, g = len(turn.ids), random.Random(p.seed)
+        uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
+        full = lambda v, d: torch.full((n,), v, dtype=d, device=DEVICE)  # noqa: E731
+        tokens, logprobs = sample_tokens(logits, full(p.temperature, torch.float32), uniform, full(VOCAB, torch.long),
+                                         full(p.top_p if p.top_p < 1 else float("inf"), torch.float32), "truncate",
+                                         exact=True)
+        for i in range(n):
+            total += 1
+            if logprobs[i].item() == turn.logprobs[i] and tokens[i].item() == turn.ids[i]:
+                continue
+            bad += 1
+            row = logits[i]
+            hits = [(b, r) for b, (seen, _) in enumerate(SEEN) for r in range(seen.shape[0])
+                    if seen.shape[1] == row.shape[0] and torch.equal(seen[r], row)]
+            alone = exact.tempered_log_softmax(row[None], full(p.temperature, torch.float32)[:1])[0, turn.ids[i]]
+            in_batch = None
+            if hits:
+                b, r = hits[0]
+                seen, temps = SEEN[b]
+                in_batch = exact.tempered_log_softmax(seen, torch.where(temps == 0, 1.0, temps))[r, turn.ids[i]]
+                in_batch = f"{in_batch.item()!r} (batch of {seen.shape[0]}, row {r}, T {temps[r].item()!r})"
+            print(f"  token {i}: engine {turn.logprobs[i]!r}, trainer {logprobs[i].item()!r}, row alone "
+                  f"{alone.item()!r}; engine logits row found bit for bit: {bool(hits)}; in its batch: {in_batch}")
+    print(f"T={temperature} top_p(odd rows)={top_p_odd} cuda_graphs={graphs}: {bad} of {total} differ")
+
+
+def main() -> None:
+    model_runner.sample_tokens = recording
+    model = build()
+    for temperature, top_p, graphs in ((0.8, 0.9, True), (0.8, 0.9, False), (0.8, 1.0, False), (1.0, 0.9, False)):
+        check(model, temperature, top_p, graphs)
+
+
+if __name__ == "__main__":
+    main()
