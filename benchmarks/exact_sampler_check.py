@@ -1,17 +1,21 @@
 """Where an exact-mode sampled logprob differs from the one the trainer's logits give (issue 28, a diagnosis).
 
 `tests/test_exact.py::test_the_sampled_token_is_the_one_the_trainers_logits_give` failed on an H100 (2026-12-07):
-same tokens, one logprob one ulp off, at temperature 0.8 (the bit-for-bit tests sample at 1.0). This script runs
-that test's generation under several settings and, with CUDA graphs off, records the logits the engine's sampler
-saw, so that it tells apart "the logits differ" from "the same logits give another logprob":
+same tokens, one logprob one ulp off. This script runs that test's generation under several settings and, with CUDA
+graphs off, records the logits the engine's sampler saw, so that it tells apart "the logits differ" from "the same
+logits give another logprob". Its first GPU run found the logits differing (at temperature 1.0 too) with the layers
+compiled and none with them eager (`MT_ENV_EXACT_COMPILE_LAYERS=0`). The test then ran the backbone itself, without
+``use_cache=False`` (an HF cache in the compiled layers' inputs: another graph); it now runs the trainer's
+`PolicyModel.hidden_states`. `--path direct` is the old way, `trainer` the new:
 
-    MT_ENV_TEST_DEVICE=cuda python3 benchmarks/exact_sampler_check.py
+    MT_ENV_TEST_DEVICE=cuda python3 benchmarks/exact_sampler_check.py [--path direct trainer]
 
 Prints, per setting, how many sampled logprobs differ from the test's recomputation and, for those, whether the
 engine's logits row equals the trainer's bit for bit and what the logprob of that row alone gives.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
 import sys
@@ -27,7 +31,7 @@ from agents.engine import model_runner  # noqa: E402
 from agents.engine.sampler import sample_tokens  # noqa: E402
 from agents.hf_backend import HFBackend  # noqa: E402
 from tests.test_exact import DEVICE, VOCAB, build, prompts_of  # noqa: E402
-from trainers.modeling import PolicyModel, _exact_kwargs  # noqa: E402
+from trainers.modeling import PolicyModel, _exact_kwargs  # noqa: E402  (the old way, --path direct)
 
 SEEN: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -45,23 +49,29 @@ def generate(model, prompts, params, graphs: bool):
     return asyncio.run(asyncio.wait_for(main(), 300))
 
 
-def trainer_logits(model, prompt, turn):
+def trainer_logits(policy, prompt, turn, path: str):
     ids = torch.tensor([prompt + turn.ids], device=DEVICE)
-    with torch.no_grad(), exact.ops():
-        hidden = model.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
-        return model.lm_head(hidden[len(prompt) - 1:-1]).float()
+    model = policy.lm
+    with torch.no_grad():
+        if path == "trainer":
+            hidden = policy.hidden_states(ids)[0]
+        else:  # the test's way before 2026-12-07: the backbone called directly (use_cache left on)
+            with exact.ops():
+                hidden = model.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
+        with exact.ops():
+            return model.lm_head(hidden[len(prompt) - 1:-1]).float()
 
 
-def check(model, temperature: float, top_p_odd: float, graphs: bool) -> None:
+def check(model, temperature: float, top_p_odd: float, graphs: bool, path: str) -> None:
     SEEN.clear()
     prompts = prompts_of(5, seed=4)
     params = [SamplingParams(temperature=temperature, top_p=top_p_odd if i % 2 else 1.0, max_new_tokens=12,
                              seed=10 + i) for i in range(len(prompts))]
     turns = generate(model, prompts, params, graphs)
-    PolicyModel(model, exact=True)
+    policy = PolicyModel(model, exact=True)
     bad = total = 0
     for prompt, turn, p in zip(prompts, turns, params):
-        logits = trainer_logits(model, prompt, turn)
+        logits = trainer_logits(policy, prompt, turn, path)
         n, g = len(turn.ids), random.Random(p.seed)
         uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
         full = lambda v, d: torch.full((n,), v, dtype=d, device=DEVICE)  # noqa: E731
@@ -85,14 +95,19 @@ def check(model, temperature: float, top_p_odd: float, graphs: bool) -> None:
                 in_batch = f"{in_batch.item()!r} (batch of {seen.shape[0]}, row {r}, T {temps[r].item()!r})"
             print(f"  token {i}: engine {turn.logprobs[i]!r}, trainer {logprobs[i].item()!r}, row alone "
                   f"{alone.item()!r}; engine logits row found bit for bit: {bool(hits)}; in its batch: {in_batch}")
-    print(f"T={temperature} top_p(odd rows)={top_p_odd} cuda_graphs={graphs}: {bad} of {total} differ")
+    print(f"path {path}, T={temperature} top_p(odd rows)={top_p_odd} cuda_graphs={graphs}: {bad} of {total} differ")
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--path", nargs="+", choices=("trainer", "direct"), default=["trainer"],
+                    help="how the trainer's logits are computed: PolicyModel.hidden_states, or the backbone directly")
+    args = ap.parse_args()
     model_runner.sample_tokens = recording
     model = build()
-    for temperature, top_p, graphs in ((0.8, 0.9, True), (0.8, 0.9, False), (0.8, 1.0, False), (1.0, 0.9, False)):
-        check(model, temperature, top_p, graphs)
+    for path in args.path:
+        for temperature, top_p, graphs in ((0.8, 0.9, True), (0.8, 0.9, False), (1.0, 0.9, False)):
+            check(model, temperature, top_p, graphs, path)
 
 
 if __name__ == "__main__":

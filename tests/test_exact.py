@@ -25,7 +25,7 @@ from mt_env.batch import TrainBatch, collate
 from mt_env.sample import Sample
 from trainers import algos
 from trainers.config import Config, ConfigError, validate
-from trainers.modeling import PolicyModel, _exact_kwargs
+from trainers.modeling import PolicyModel
 from trainers.ppo import Models, score
 
 from .backend_hf_fixtures import DEVICE, one_cpu_thread, packed_positions, run  # noqa: F401  (one_cpu_thread: autouse)
@@ -177,12 +177,13 @@ def test_the_sampled_token_is_the_one_the_trainers_logits_give(model):
     params = [SamplingParams(temperature=0.8, top_p=0.9 if i % 2 else 1.0, max_new_tokens=12, seed=10 + i)
               for i in range(len(prompts))]
     turns, _ = generate(model, prompts, params, exact=True)
-    PolicyModel(model, exact=True)  # the module attends through exact mode's attention when given the layout
+    policy = PolicyModel(model, exact=True)
     for prompt, turn, p in zip(prompts, turns, params):
         ids = torch.tensor([prompt + turn.ids], device=DEVICE)
-        with torch.no_grad(), exact.ops():  # the trainer's backbone pass (`PolicyModel.forward`)
-            hidden = model.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
-            logits = model.lm_head(hidden[len(prompt) - 1:-1]).float()
+        with torch.no_grad():  # the trainer's backbone pass (`PolicyModel.forward`'s), then the LM head
+            hidden = policy.hidden_states(ids)[0]
+            with exact.ops():
+                logits = model.lm_head(hidden[len(prompt) - 1:-1]).float()
         n, g = len(turn.ids), random.Random(p.seed)
         uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
         full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=DEVICE)  # noqa: E731

@@ -268,6 +268,18 @@ class PolicyModel(nn.Module):
 
     def forward(self, input_ids, loss_mask, attention_mask=None, position_ids=None, seq_ids=None,
                 temperature: float = 1.0, with_entropy: bool = False):
+        hidden = self.hidden_states(input_ids, attention_mask, position_ids, seq_ids)
+        scored, targets = _scored(input_ids, loss_mask)
+        logprobs, entropy = token_logprobs(hidden[:, :-1][scored], self.lm.get_output_embeddings(), targets,
+                                           temperature=temperature, vocab_limit=self.vocab_limit,
+                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens,
+                                           exact=self.exact)
+        out_lp = _scatter(logprobs, scored, input_ids.shape)
+        return out_lp, None if entropy is None else _scatter(entropy, scored, input_ids.shape)
+
+    def hidden_states(self, input_ids, attention_mask=None, position_ids=None, seq_ids=None) -> torch.Tensor:
+        """The backbone's last hidden states [B, L, hidden] as `forward` scores them (in exact mode: the engine's
+        bits, its layout and operations). Called outside `forward` only on an unwrapped model (tests, checks)."""
         backbone = getattr(self.lm, self.lm.base_model_prefix)
         if self.exact:
             kwargs = _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids)
@@ -278,14 +290,7 @@ class PolicyModel(nn.Module):
         else:
             kwargs = _attention_kwargs(self.lm, input_ids, attention_mask, position_ids, seq_ids)
         with exact.ops(self.exact):
-            hidden = backbone(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
-        scored, targets = _scored(input_ids, loss_mask)
-        logprobs, entropy = token_logprobs(hidden[:, :-1][scored], self.lm.get_output_embeddings(), targets,
-                                           temperature=temperature, vocab_limit=self.vocab_limit,
-                                           with_entropy=with_entropy, chunk_tokens=self.logprob_chunk_tokens,
-                                           exact=self.exact)
-        out_lp = _scatter(logprobs, scored, input_ids.shape)
-        return out_lp, None if entropy is None else _scatter(entropy, scored, input_ids.shape)
+            return backbone(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
 
 
 class CriticModel(nn.Module):
