@@ -29,6 +29,8 @@
 #                                        #   -> the report printed, the trace in $EXP/step_trace/
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
 #                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
+#   bash benchmarks/run_gpu.sh exact_sampler  # 1 GPU: exact mode's sampled logprobs recomputed from the trainer's
+#                                        #   logits: the test's old backbone call against the trainer's pass (printed)
 #   bash benchmarks/run_gpu.sh exact_matmul  # 1 GPU: exact mode's matmul alone at the 0.5B's weight shapes under
 #                                        #   several tiles, against cuBLAS (issue 28) -> $EXP/exact_matmul.json
 #   bash benchmarks/run_gpu.sh sanitize  # 1 GPU: compute-sanitizer memcheck over the engine's CUDA tests and a small
@@ -120,6 +122,9 @@ case "${1:-}" in
       --new-tokens 256 --micro-tokens 32768 --repeats 1 --profile 25 --out "$EXP/exact_update.json" 2>&1 \
       | grep -v "Warn\|warn" | tail -150
     echo "bench_exact update rc=${PIPESTATUS[0]}" ;;
+  exact_sampler)  # an experiment: where a sampled logprob differs from its recomputation (docs/exact.md)
+    MT_ENV_TEST_DEVICE=cuda timeout 200 python3 benchmarks/exact_sampler_check.py --path direct trainer 2>&1 \
+      | grep -v "Warn\|warn" | tail -40; echo "exact_sampler_check rc=${PIPESTATUS[0]}" ;;
   exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
     timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -60
     echo "bench_exact_matmul rc=${PIPESTATUS[0]}" ;;
@@ -181,6 +186,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|step_vocab|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac
