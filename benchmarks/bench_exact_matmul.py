@@ -7,7 +7,7 @@ configuration this script checks that too (the first rows' bits alone and among 
 today's configuration's (if tiles with the same BLOCK_K agree, the tile could follow M as well), and times the
 decode shapes (M = 32, 256 rows) and a trainer micro-batch (M = 8,192) in microseconds, each call in a CUDA graph.
 `--rows` times other row counts (the RL update's 32k-token micro-batches: 32768); `--weights` picks shapes, among them
-the trainer's unfused ones (HF's Qwen2 layers multiply q, k, v, gate and up apart: `q`, `kv`, `gate`).
+the unfused ones both sides multiply today (HF's Qwen2 layers: q, k, v, gate and up apart; `q`, `kv`, `gate`).
 
 An experiment: what it decides goes to docs/exact.md, with the command.
 
@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents import triton_exact as te  # noqa: E402
 
-#: (N, K) of the 0.5B shape's weights: fused qkv, o, fused gate_up, down, the tied LM head (the default set), and
-#: the trainer's unfused q, k or v, gate or up
+#: (N, K) of the 0.5B shape's weights: qkv and gate_up as if fused, o, down, the tied LM head (the default set), and
+#: q, k or v, gate or up as the engine and the trainer multiply them today (apart)
 WEIGHTS = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864), "lm_head": (151936, 896),
            "q": (896, 896), "kv": (128, 896), "gate": (4864, 896)}
 DEFAULT_WEIGHTS = ["qkv", "o", "gate_up", "down", "lm_head"]
