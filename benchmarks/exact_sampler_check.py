@@ -16,8 +16,6 @@ engine's logits row equals the trainer's bit for bit and what the logprob of tha
 from __future__ import annotations
 
 import argparse
-import asyncio
-import random
 import sys
 from pathlib import Path
 
@@ -29,8 +27,7 @@ from agents import exact  # noqa: E402
 from agents.backend import SamplingParams  # noqa: E402
 from agents.engine import model_runner  # noqa: E402
 from agents.engine.sampler import sample_tokens  # noqa: E402
-from agents.hf_backend import HFBackend  # noqa: E402
-from tests.test_exact import DEVICE, VOCAB, build, prompts_of  # noqa: E402
+from tests.test_exact import DEVICE, build, generate, prompts_of, resample, trainer_logits  # noqa: E402
 from trainers.modeling import PolicyModel, _exact_kwargs  # noqa: E402  (the old way, --path direct)
 
 SEEN: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -42,24 +39,14 @@ def recording(logits, temperature, *args, **kwargs):
     return sample_tokens(logits, temperature, *args, **kwargs)
 
 
-def generate(model, prompts, params, graphs: bool):
-    async def main():
-        async with HFBackend(model, seed=0, fast_path=True, compile=False, cuda_graphs=graphs, exact=True) as b:
-            return await asyncio.gather(*(b.generate(p, q) for p, q in zip(prompts, params)))
-    return asyncio.run(asyncio.wait_for(main(), 300))
-
-
-def trainer_logits(policy, prompt, turn, path: str):
+def logits_of(policy, prompt, turn, path: str) -> torch.Tensor:
+    """The test's logits (`trainer`), or the old way's (`direct`: the backbone called without ``use_cache=False``)."""
+    if path == "trainer":
+        return trainer_logits(policy, prompt, turn)
     ids = torch.tensor([prompt + turn.ids], device=DEVICE)
-    model = policy.lm
-    with torch.no_grad():
-        if path == "trainer":
-            hidden = policy.hidden_states(ids)[0]
-        else:  # the test's way before 2026-12-07: the backbone called directly (use_cache left on)
-            with exact.ops():
-                hidden = model.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
-        with exact.ops():
-            return model.lm_head(hidden[len(prompt) - 1:-1]).float()
+    with torch.no_grad(), exact.ops():
+        hidden = policy.lm.model(input_ids=ids, **_exact_kwargs(ids, None, None, None)).last_hidden_state[0]
+        return policy.lm.lm_head(hidden[len(prompt) - 1:-1]).float()
 
 
 def check(model, temperature: float, top_p_odd: float, graphs: bool, path: str) -> None:
@@ -67,18 +54,13 @@ def check(model, temperature: float, top_p_odd: float, graphs: bool, path: str) 
     prompts = prompts_of(5, seed=4)
     params = [SamplingParams(temperature=temperature, top_p=top_p_odd if i % 2 else 1.0, max_new_tokens=12,
                              seed=10 + i) for i in range(len(prompts))]
-    turns = generate(model, prompts, params, graphs)
+    turns, _ = generate(model, prompts, params, exact=True, cuda_graphs=graphs)
     policy = PolicyModel(model, exact=True)
     bad = total = 0
     for prompt, turn, p in zip(prompts, turns, params):
-        logits = trainer_logits(policy, prompt, turn, path)
-        n, g = len(turn.ids), random.Random(p.seed)
-        uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
-        full = lambda v, d: torch.full((n,), v, dtype=d, device=DEVICE)  # noqa: E731
-        tokens, logprobs = sample_tokens(logits, full(p.temperature, torch.float32), uniform, full(VOCAB, torch.long),
-                                         full(p.top_p if p.top_p < 1 else float("inf"), torch.float32), "truncate",
-                                         exact=True)
-        for i in range(n):
+        logits = logits_of(policy, prompt, turn, path)
+        tokens, logprobs = resample(logits, turn, p)
+        for i in range(len(turn.ids)):
             total += 1
             if logprobs[i].item() == turn.logprobs[i] and tokens[i].item() == turn.ids[i]:
                 continue
@@ -86,13 +68,13 @@ def check(model, temperature: float, top_p_odd: float, graphs: bool, path: str) 
             row = logits[i]
             hits = [(b, r) for b, (seen, _) in enumerate(SEEN) for r in range(seen.shape[0])
                     if seen.shape[1] == row.shape[0] and torch.equal(seen[r], row)]
-            alone = exact.tempered_log_softmax(row[None], full(p.temperature, torch.float32)[:1])[0, turn.ids[i]]
+            alone = exact.tempered_log_softmax(row[None], torch.tensor([p.temperature], device=DEVICE))[0, turn.ids[i]]
             in_batch = None
             if hits:
                 b, r = hits[0]
                 seen, temps = SEEN[b]
-                in_batch = exact.tempered_log_softmax(seen, torch.where(temps == 0, 1.0, temps))[r, turn.ids[i]]
-                in_batch = f"{in_batch.item()!r} (batch of {seen.shape[0]}, row {r}, T {temps[r].item()!r})"
+                value = exact.tempered_log_softmax(seen, torch.where(temps == 0, 1.0, temps))[r, turn.ids[i]]
+                in_batch = f"{value.item()!r} (batch of {seen.shape[0]}, row {r}, T {temps[r].item()!r})"
             print(f"  token {i}: engine {turn.logprobs[i]!r}, trainer {logprobs[i].item()!r}, row alone "
                   f"{alone.item()!r}; engine logits row found bit for bit: {bool(hits)}; in its batch: {in_batch}")
     print(f"path {path}, T={temperature} top_p(odd rows)={top_p_odd} cuda_graphs={graphs}: {bad} of {total} differ")

@@ -59,7 +59,7 @@ def params_of(n: int, temperature: float = 1.0, new: int = 16) -> list[SamplingP
 
 def generate(model, prompts, params, **options):
     async def main():
-        async with HFBackend(model, seed=0, **ENGINE, **options) as backend:
+        async with HFBackend(model, seed=0, **{**ENGINE, **options}) as backend:
             turns = await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params)))
             return turns, dict(backend.stats)
 
@@ -179,18 +179,28 @@ def test_the_sampled_token_is_the_one_the_trainers_logits_give(model):
     turns, _ = generate(model, prompts, params, exact=True)
     policy = PolicyModel(model, exact=True)
     for prompt, turn, p in zip(prompts, turns, params):
-        ids = torch.tensor([prompt + turn.ids], device=DEVICE)
-        with torch.no_grad():  # the trainer's backbone pass (`PolicyModel.forward`'s), then the LM head
-            hidden = policy.hidden_states(ids)[0]
-            with exact.ops():
-                logits = model.lm_head(hidden[len(prompt) - 1:-1]).float()
-        n, g = len(turn.ids), random.Random(p.seed)
-        uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
-        full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=DEVICE)  # noqa: E731
-        tokens, logprobs = sample_tokens(logits, full(p.temperature, torch.float32), uniform,
-                                         full(VOCAB, torch.long), full(p.top_p if p.top_p < 1 else float("inf"),
-                                                                        torch.float32), "truncate", exact=True)
+        tokens, logprobs = resample(trainer_logits(policy, prompt, turn), turn, p)
         assert tokens.tolist() == turn.ids and logprobs.tolist() == turn.logprobs
+
+
+def trainer_logits(policy: PolicyModel, prompt: list[int], turn) -> torch.Tensor:
+    """float32 logits [len(turn.ids), vocab] at the turn's sampled positions, from the trainer's backbone pass
+    (`PolicyModel.hidden_states`, `forward`'s) and the LM head in exact mode."""
+    ids = torch.tensor([prompt + turn.ids], device=DEVICE)
+    with torch.no_grad():
+        hidden = policy.hidden_states(ids)[0]
+        with exact.ops():
+            return policy.lm.lm_head(hidden[len(prompt) - 1:-1]).float()
+
+
+def resample(logits: torch.Tensor, turn, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The turn's tokens and logprobs drawn again from `logits` by the exact sampler, with the row's uniform numbers
+    (its seeded generator's draws)."""
+    n, g = len(turn.ids), random.Random(p.seed)
+    uniform = torch.tensor([g.random() for _ in range(n)], dtype=torch.float64, device=DEVICE)
+    full = lambda value, dtype: torch.full((n,), value, dtype=dtype, device=DEVICE)  # noqa: E731
+    return sample_tokens(logits, full(p.temperature, torch.float32), uniform, full(VOCAB, torch.long),
+                         full(p.top_p if p.top_p < 1 else float("inf"), torch.float32), "truncate", exact=True)
 
 
 # --------------------------------------------------------------------------------------------- the operations
