@@ -25,8 +25,10 @@
 #                                        #   sequences of up to 768 tokens, 32k-token micro-batches), with the costliest
 #                                        #   operations of each exact phase and of the plain update -> $EXP/exact_update.json
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
-#                                        #   and device-busy time, where the device waited for the host (issue 29)
-#                                        #   -> the report printed, the trace in $EXP/step_trace/
+#                                        #   and device-busy time, its costliest kernels, where the device waited for the
+#                                        #   host (issue 29) -> the report printed (STEPS=4: step 4)
+#   bash benchmarks/run_gpu.sh exact_profile  # 1 GPU: step_profile in exact mode (exact_step's settings), steps 1-3,
+#                                        #   step 4 profiled: each phase's costliest kernels -> the report printed
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
 #                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
 #   bash benchmarks/run_gpu.sh exact_sampler  # 1 GPU: exact mode's sampled logprobs recomputed from the trainer's
@@ -94,8 +96,12 @@ case "${1:-}" in
   step1)  # the first step of a process compiles the trainer's scoring function (~60 s on a fresh machine)
     rl_step 2>&1 | tail -12; echo "bench_rl_step rc=${PIPESTATUS[0]}" ;;
   step_profile)  # an experiment: steps 1-4 as step1's run, step 5 profiled (left out of the medians; no record)
-    rl_step --steps 5 --profile-step 5 --trace-dir "$EXP/step_trace" 2>&1 | grep -v "Warn\|warn" | tail -45
+    rl_step --steps "${STEPS:-5}" --profile-step "${STEPS:-5}" 2>&1 | grep -v "Warn\|warn" | tail -80
     echo "bench_rl_step profile rc=${PIPESTATUS[0]}" ;;
+  exact_profile)  # an experiment: step_profile's report in exact mode, one step shorter (the kernels of each phase)
+    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=false \
+      --set rollout.exact_logprobs=true --steps 4 --profile-step 4 2>&1 | grep -v "Warn\|warn" | tail -80
+    echo "bench_rl_step exact profile rc=${PIPESTATUS[0]}" ;;
   step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
     # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
     rl_step --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
@@ -186,6 +192,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_profile|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac

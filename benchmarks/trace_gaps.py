@@ -5,6 +5,7 @@ that ended it, and through that kernel's CUDA correlation id to the runtime or d
 through the launch's time and thread to the innermost frame of this repository's code and the innermost torch op
 running on the host then: the code that was late to launch. Host syncs (``cudaStreamSynchronize``, device-to-host
 copies, ...) are listed by frame too: after one the device drains its queue and waits for the host to refill it.
+For the longest phases it lists their costliest kernels (each charged to the phase that launched it).
 
 The trace, not `torch.profiler`'s event objects, is the input: it is a documented format (Perfetto, Holistic Trace
 Analysis read it), and a trace saved on a GPU machine can be analysed again anywhere:
@@ -15,6 +16,7 @@ Analysis read it), and a trace saved on a GPU machine can be analysed again anyw
 from __future__ import annotations
 
 import argparse
+import bisect
 import functools
 import gzip
 import json
@@ -24,6 +26,8 @@ from pathlib import Path
 
 #: device idle intervals shorter than this (microseconds) are launch latency, not waiting for the host
 GAP_US = 10.0
+#: the longest phases whose kernels `report` lists
+KERNEL_PHASES = 4
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 #: a frame of this repository's code: torch names frames by their path under a `sys.path` entry (the repository's
@@ -135,10 +139,30 @@ def busy_within(intervals: list[tuple[float, float]], windows: list[tuple[float,
     return dict(out)
 
 
+def kernels_within(device: list[dict], launches: dict, windows: list[tuple[float, float, str]]) -> dict:
+    """{frame: {kernel name: [device us, calls]}}: each kernel of `device` charged to the window (of `windows`,
+    sorted, disjoint) in which it was launched, or began where its launch is not in the trace (the device runs
+    behind the host: a kernel can run after the phase that launched it ended)."""
+    starts = [w[0] for w in windows]
+    out: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for k in device:
+        if k.get("cat") != "kernel":
+            continue
+        launch = launches.get(k.get("args", {}).get("correlation"))
+        t = launch["ts"] if launch is not None else k["ts"]
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and t < windows[i][1]:
+            entry = out[windows[i][2]][k["name"]]
+            entry[0] += k.get("dur", 0)
+            entry[1] += 1
+    return {frame: dict(names) for frame, names in out.items()}
+
+
 def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
     """The trace's device gaps and host syncs. Returns ``busy_us`` (the union of device intervals), ``idle_us``,
     ``gaps`` (count), ``by_launch`` {(frame, op): [us, gaps]}, ``syncs`` {(frame, call): [us, calls]} and
-    ``phases`` {frame: [wall us, device-busy us]} (`phases`)."""
+    ``phases`` {frame: [wall us, device-busy us]} (`phases`) and ``kernels`` {frame: {kernel: [us, calls]}}
+    (`kernels_within`)."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
@@ -167,8 +191,10 @@ def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
         entry = by_sync[(label(stacks[-1 - n])[0], e["name"])]
         entry[0] += e.get("dur", 0)
         entry[1] += 1
+    windows = phases(events)
     return dict(busy_us=sum(b - a for a, b in merged), idle_us=idle, gaps=len(late), gap_us=gap_us,
-                by_launch=dict(by_launch), syncs=dict(by_sync), phases=busy_within(merged, phases(events)))
+                by_launch=dict(by_launch), syncs=dict(by_sync), phases=busy_within(merged, windows),
+                kernels=kernels_within(device, launches, windows))
 
 
 def report(result: dict, top: int = 15) -> str:
@@ -179,6 +205,12 @@ def report(result: dict, top: int = 15) -> str:
     lines = ["phases (the main thread's outermost calls of this repository's code): wall, device busy"]
     lines += [f"  {wall / 1e3:9.1f} ms  {busy / 1e3:9.1f} ms ({100 * busy / max(wall, 1e-9):3.0f}%)  {frame}"
               for frame, (wall, busy) in sorted(result["phases"].items(), key=lambda kv: -kv[1][0])[:top]]
+    for frame, (wall, _) in sorted(result["phases"].items(), key=lambda kv: -kv[1][0])[:KERNEL_PHASES]:
+        names = result.get("kernels", {}).get(frame, {})
+        total = sum(us for us, _ in names.values())
+        lines.append(f"kernels launched in {frame}: {total / 1e3:.1f} ms in {sum(n for _, n in names.values())} calls")
+        lines += [f"  {us / 1e3:9.2f} ms {100 * us / max(total, 1e-9):3.0f}% {n:7d} x {name[:90]}"
+                  for name, (us, n) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]
     lines.append(head)
     for (frame, op), (us, n) in sorted(result["by_launch"].items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms in {n:5d} gaps  {frame}  [{op}]")

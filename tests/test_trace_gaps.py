@@ -49,8 +49,20 @@ def test_gaps_are_charged_to_the_code_that_launched_the_next_kernel(tmp_path):
                                    ("agents/logprobs.py(3): chunked", "?"): [135.0, 1]}
     assert result["syncs"] == {("agents/logprobs.py(3): chunked", "cudaStreamSynchronize"): [150.0, 1]}
     assert result["phases"] == {"trainers/ppo.py(10): update": [1000.0, 290.0]}
+    assert result["kernels"] == {"trainers/ppo.py(10): update": {"gemm": [260.0, 2], "add": [20.0, 2]}}
     text = trace_gaps.report(result)
-    assert "aten::mm" in text and "cudaStreamSynchronize" in text
+    assert "aten::mm" in text and "cudaStreamSynchronize" in text and "2 x gemm" in text
+
+
+def test_a_kernel_is_charged_to_the_phase_that_launched_it_not_the_one_it_ran_in():
+    events = [X("python_function", "agents/rollout.py(1): collect", 0, 100),
+              X("python_function", "trainers/ppo.py(2): update", 200, 100),
+              X("cuda_runtime", "cudaLaunchKernel", 90, 5, correlation=1),
+              X("kernel", "late", 250, 10, tid=9, correlation=1),  # launched in collect, ran during update
+              X("kernel", "orphan", 210, 10, tid=9, correlation=2),  # no launch in the trace: where it began
+              X("kernel", "between", 150, 10, tid=9, correlation=3)]  # in no phase
+    assert trace_gaps.analyse(events)["kernels"] == {"agents/rollout.py(1): collect": {"late": [10.0, 1]},
+                                                     "trainers/ppo.py(2): update": {"orphan": [10.0, 1]}}
 
 
 def test_a_kernel_launched_by_autograds_backward_thread_is_charged_to_its_backward_node():
