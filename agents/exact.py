@@ -26,12 +26,13 @@ layers compiled by Inductor (`compiles_layers`), the kernels opaque custom ops i
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 from agents.compiling import compiled
 
@@ -387,8 +388,31 @@ def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
 
 def ops(on: bool = True):
     """A context in which the module's linears, SiLU and RMSNorm's mean run as exact operations (a no-op context
-    when not `on`)."""
-    if not on:
+    when not `on`, or when this thread is in one already: compiled code guards on the mode stack, so a nested entry
+    would compile it again)."""
+    if not on or any(isinstance(mode, _ExactOps) for mode in _get_current_function_mode_stack()):
         return contextlib.nullcontext()
     _load_kernels()
     return _ExactOps()
+
+
+class RecomputeUnderOps:
+    """A layer's activation-checkpointing function (transformers' ``_gradient_checkpointing_func``) whose function
+    runs under `ops()`, in the forward and in backward's recompute alike. The mode is thread-local and the forward's
+    ends before backward, so without this the recompute would run the plain operations and save other tensors than
+    the forward did (`torch.utils.checkpoint` raises a ``CheckpointError``, or a compiled layer compiles a plain
+    graph). Where Dynamo traces the checkpoint (transformers versions that checkpoint inside the layer's ``forward``,
+    which exact mode compiles), the recompute is the traced graph's and this adds nothing."""
+
+    def __init__(self, checkpoint_fn):
+        self.checkpoint_fn = checkpoint_fn
+
+    def __call__(self, fn, *args, **kwargs):
+        if torch.compiler.is_compiling():
+            return self.checkpoint_fn(fn, *args, **kwargs)
+        return self.checkpoint_fn(functools.partial(_under_ops, fn), *args, **kwargs)
+
+
+def _under_ops(fn, *args, **kwargs):
+    with ops():
+        return fn(*args, **kwargs)

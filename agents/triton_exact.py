@@ -9,7 +9,8 @@ share its call. Batch invariance needs one configuration, fixed in the code, wha
   split-K, no autotune; programs go down M first, so a weight tile is read once): an element is accumulated in one
   order by the same instructions wherever its row sits, so a row's bits depend on its own values only. One tile per
   dtype (`MATMUL_CONFIGS`); a bf16 call of at most `SMALL_M` rows takes a smaller one with the same BLOCK_K
-  (`SMALL_M_CONFIGS`) where it gives the same bits, checked once per device (`_small_tile_agrees`).
+  (`SMALL_M_CONFIGS`) where it gives the same bits, checked once per device (`_small_tile_agrees`). Inside a backward
+  (activation checkpointing's recompute, whose values only feed gradients) it is cuBLAS's product.
 * `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order (online
   softmax, float32); a program holds `QUERY_BLOCK` (query, head) rows, each row's arithmetic its own. A block past a
   row's position is an exact no-op for it (p = 0, the max stays, the rescale is exp(0) = 1), so which queries share a
@@ -87,6 +88,9 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("mt_env::exact_matmul", mutates_args=())
 def _matmul_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if torch._C._current_graph_task_id() != -1:  # inside a backward: activation checkpointing's recompute
+        _check_matmul(x, weight)  # (docs/exact.md: only the forward's values must be the engine's): cuBLAS
+        return torch.mm(x, weight.t())
     return _matmul(x, weight)
 
 

@@ -285,6 +285,31 @@ def test_lora_adapters_keep_the_bits_equal():
     assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), micros=(1, 100))
 
 
+def test_activation_checkpointing_recomputes_the_layers_under_exact_operations():
+    """Transformers' activation checkpointing runs each layer again in backward, after the forward's exact mode (a
+    thread-local `TorchFunctionMode`) has ended; the recompute runs under it too (`exact.RecomputeUnderOps`; without
+    it, `torch.utils.checkpoint` raised a CheckpointError). The logprobs are those without checkpointing; so are the
+    gradients, bit for bit on CPU (where the kernels run, the recompute's matmuls are cuBLAS's: close)."""
+    ids = torch.randint(0, VOCAB, (3, 21), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    mask = torch.ones(3, 21, device=DEVICE)
+    mask[:, :5] = 0
+    out = {}
+    for checkpointing in (False, True):
+        lm = build(seed=6).train()  # (dropout 0: training mode only turns checkpointing on)
+        if checkpointing:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        logprobs, _ = PolicyModel(lm, exact=True)(ids, mask)
+        logprobs.sum().backward()
+        out[checkpointing] = logprobs.detach(), {n: p.grad for n, p in lm.named_parameters() if p.grad is not None}
+    (plain, plain_grads), (recomputed, grads) = out[False], out[True]
+    assert torch.equal(recomputed, plain) and grads.keys() == plain_grads.keys()
+    for name, grad in grads.items():
+        if exact._kernels(ids) is None:  # the torch operations (CPU): the recompute is the forward's arithmetic
+            assert torch.equal(grad, plain_grads[name]), name
+        else:
+            torch.testing.assert_close(grad, plain_grads[name], rtol=1e-3, atol=1e-4)
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.lists(st.lists(st.integers(1, 7), min_size=1, max_size=4), min_size=1, max_size=4),
        pad=st.integers(0, 3))
@@ -370,12 +395,14 @@ def test_a_single_turn_sample_trains_exactly_its_sampled_tokens():
 @pytest.mark.parametrize("layout", ["trainer.packed=false", "trainer.packed=true"])
 def test_every_step_of_an_exact_run_has_no_mismatch(tmp_path, layout):
     """trainers/ppo.py with `rollout.exact_logprobs` (CPU, tiny recipe): the old-logprob pass of every step (two
-    mini-batches, so a pass of its own) equals the engine's logprobs on every sampled token; off, it does not."""
+    mini-batches, so a pass of its own) equals the engine's logprobs on every sampled token; off, it does not. The
+    packed run checkpoints its activations, as the GPU recipes do."""
     from .test_trainer import metrics, run
 
+    checkpointing = f"model.gradient_checkpointing={str(layout.endswith('true')).lower()}"
     for on in (True, False):
         out = tmp_path / str(on)
-        run(out, layout, f"rollout.exact_logprobs={str(on).lower()}", "sft.steps=0", "eval.episodes=2",
+        run(out, layout, checkpointing, f"rollout.exact_logprobs={str(on).lower()}", "sft.steps=0", "eval.episodes=2",
             "trainer.minibatch_size=4", "trainer.micro_batch_size=3", "threads=1", steps=2)
         steps = [r for r in metrics(out) if "actor/loss" in r]
         assert len(steps) == 2

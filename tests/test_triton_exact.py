@@ -53,6 +53,27 @@ def test_matmul_rows_do_not_depend_on_the_row_count_or_their_place(m, picks, k, 
     torch.testing.assert_close(full.double(), expected, atol=TOLERANCE[dtype] * k ** 0.5, rtol=TOLERANCE[dtype])
 
 
+def test_matmul_inside_a_backward_is_torchs_product():
+    """Activation checkpointing recomputes a layer in backward, where only gradients read the values: there the op is
+    cuBLAS's ``x @ w.T`` (torch's bits), outside a backward the kernel's."""
+    x, w = randn(37, 16, seed=1), randn(24, 16, seed=2)
+    inside = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            inside.append(triton_exact.matmul(x, w))
+            return grad
+
+    Probe.apply(torch.zeros(3, device=DEVICE, requires_grad=True)).sum().backward()
+    assert torch.equal(inside[0], torch.mm(x, w.t()))
+    assert torch.equal(triton_exact.matmul(x, w), triton_exact._matmul(x, w))
+
+
 def test_matmul_takes_the_small_tile_for_few_rows_only_where_it_gives_the_same_bits(monkeypatch):
     """A call of at most SMALL_M rows takes the small tile when this device's check found its bits equal to the large
     tile's, the large tile otherwise; either way a row's bits are those it gets among many rows."""

@@ -216,6 +216,16 @@ def _compile_exact_layers(lm: nn.Module) -> None:
         compile_layers(lm)
 
 
+def _recompute_under_exact_ops(lm: nn.Module) -> None:
+    """Under activation checkpointing, recompute `lm`'s checkpointed layers in backward under exact mode's operations
+    too (`agents.exact.RecomputeUnderOps`; without it the recompute fails). Checked before each forward with
+    gradients: checkpointing may be turned on after the `PolicyModel` is made."""
+    for module in lm.modules():
+        fn = getattr(module, "_gradient_checkpointing_func", None)
+        if fn is not None and not isinstance(fn, exact.RecomputeUnderOps):
+            module._gradient_checkpointing_func = exact.RecomputeUnderOps(fn)
+
+
 def _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids) -> dict:
     """The backbone's arguments in exact mode: positions, and the sequences' layout for the attention function."""
     if position_ids is None:
@@ -284,6 +294,7 @@ class PolicyModel(nn.Module):
         if self.exact:
             kwargs = _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids)
             if torch.is_grad_enabled():  # a backward will run: flash attention's where it checks out (once)
+                _recompute_under_exact_ops(self.lm)
                 config = self.lm.config
                 head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
                 exact.check_attention_backward(input_ids.device, _compute_dtype(self.lm), head_dim)
