@@ -12,7 +12,8 @@ cached prefix, or the trainer scores it in a padded or packed micro-batch of any
   positions from position 0, an online softmax over them in order; a block a query cannot see changes nothing;
   a query's products are matmuls of one shape (tiles of ``QUERY_TILE`` rows), as `linear`'s.
 * `tempered_log_softmax`: the sampler's logprobs, from `softmax_stats` (max, sum of exp in a fixed order);
-  `token_logprob`: the trainer's, the same bits for one token per row, with a written-out gradient.
+  `stats_logprob` and `token_logprob` (the trainer's, with a written-out gradient): the same bits for one token per
+  row. `sample`: the sampler's inverse CDF, in an order set by the vocabulary alone.
 
 `ops()` routes a module's ``F.linear``, ``F.silu`` and last-dimension ``mean`` through these while it is active (a
 thread-local `TorchFunctionMode`): the engine's layer functions and the trainer's transformers forward run the
@@ -38,6 +39,8 @@ from agents.compiling import compiled
 
 #: rows per matmul call of `linear` (a pass pads its rows to whole tiles)
 TILE_ROWS = 32
+#: ids per block of `sample`'s walk over a row (a power of two)
+SAMPLE_BLOCK = 1024
 #: key positions per block of `attention`'s online softmax
 KEY_BLOCK = 32
 #: (query, head) rows per matmul of `attention`'s torch version (padded to whole tiles in fresh memory)
@@ -153,6 +156,50 @@ def softmax_stats(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tens
     return torch.stack([top[:, 0], tree_sum(e), (e * z).sum(-1)], -1)
 
 
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One id per row of float32 `logits` [N, V], by inverse CDF over p ∝ exp(z - m) (z = logits / `temperature` [N],
+    m = `top` [N], `softmax_stats`' max) at each row's `uniform` [N] in [0, 1), in an order set by V alone: the
+    weights summed in blocks of `SAMPLE_BLOCK` (one `tree_sum` each), the blocks in order into a float64 total; the
+    id is in the first block whose running sum passes u x total, found in it by halving (the target in the left
+    half's `tree_sum`, or past it), or the nearest before it of non-zero weight. A row's id depends on its own logits
+    and u only; a NaN row gets the last id.
+    On CUDA one `triton_sampling.sample` launch (the same steps; its exp is Triton's: its own bits)."""
+    if _kernels(logits) is not None:
+        from . import triton_sampling
+
+        return triton_sampling.sample(logits, temperature, top, uniform, SAMPLE_BLOCK)
+    rows, vocab = logits.shape
+    width = min(SAMPLE_BLOCK, 1 << max(0, vocab - 1).bit_length())
+    blocks = -(-vocab // width)
+    z = logits.float() / temperature.float()[:, None]
+    weights = F.pad(torch.exp(z - top[:, None]), (0, blocks * width - vocab)).view(rows, blocks, width)
+    after = tree_sum(weights, -1).double().cumsum(-1)  # the running sum after each block, in order
+    total = after[:, -1]
+    target = torch.minimum(uniform.double() * total, total * (1.0 - 2.0 ** -52))
+    block = (after <= target[:, None]).sum(-1).clamp(max=blocks - 1)
+    running = torch.where(block > 0, after.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
+    inside = weights[torch.arange(rows, device=logits.device), block]
+    lanes, lo = torch.arange(width, device=logits.device), torch.zeros_like(block)
+    half = width
+    while half > 1:
+        half //= 2
+        half_sum = tree_sum(torch.where((lanes >= lo[:, None]) & (lanes < (lo + half)[:, None]), inside, 0.0)).double()
+        right = running + half_sum <= target
+        running, lo = torch.where(right, running + half_sum, running), torch.where(right, lo + half, lo)
+    positive = inside > 0  # (the halves' sums round apart from the block's: never an id of weight 0)
+    last = torch.where(positive & (lanes <= lo[:, None]), lanes, -1).amax(-1)
+    lane = torch.where(last >= 0, last, torch.where(positive & (lanes > lo[:, None]), lanes, width).amin(-1))
+    return torch.where(torch.isnan(total), vocab - 1, (block * width + lane).clamp(max=vocab - 1))
+
+
+def stats_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                  stats: torch.Tensor) -> torch.Tensor:
+    """The logprob of `targets` [N] under ``tempered_log_softmax(logits, temperature)`` from its `softmax_stats`
+    `stats` [N, 3]: (z - m) - log(s) of the target's z alone, the same bits as that function's entry."""
+    z = logits.gather(1, targets[:, None]).squeeze(1).float() / temperature.float()
+    return (z - stats[:, 0]) - torch.log(stats[:, 1])
+
+
 def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
     """``log_softmax(logits.float() / temperature[:, None])`` of `logits` [N, vocab] with a per-row float32
     `temperature` [N], as (z - m) - log(s) of `softmax_stats`: the engine's sampler's logprobs in exact mode.
@@ -176,12 +223,10 @@ class _TokenLogprob(torch.autograd.Function):
     def forward(ctx, logits, targets, temperature):
         temperature = temperature.float()
         stats = softmax_stats(logits, temperature)
-        top, log_total = stats[:, 0], torch.log(stats[:, 1])
-        z = logits.gather(1, targets[:, None]).squeeze(1).float() / temperature
-        log_normaliser = top + log_total
+        log_normaliser = stats[:, 0] + torch.log(stats[:, 1])
         entropy = log_normaliser - stats[:, 2] / stats[:, 1]
         ctx.save_for_backward(logits, targets, temperature, log_normaliser, entropy)
-        return (z - top) - log_total, entropy
+        return stats_logprob(logits, targets, temperature, stats), entropy
 
     @staticmethod
     def backward(ctx, grad_logprob, grad_entropy):

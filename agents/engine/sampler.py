@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..backend import SamplingParams
-from ..exact import tempered_log_softmax
+from .. import exact as exact_ops
 
 SAMPLING_MODES = ("greedy", "sample", "truncate")
 
@@ -63,29 +63,50 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, uniform: torc
     Rows with ``temperature == 0`` take the argmax (their logprob is ``log_softmax(logits)``); the others sample
     by inverse CDF with their `uniform` number, after their own `top_k` [rows] (vocab = off) and `top_p` [rows]
     (inf = off) in ``"truncate"`` mode. No host synchronisation and no data-dependent shapes: CUDA graphs can
-    capture it. A NaN in a row's logits makes its logprob NaN (the caller checks). `exact`: the log-softmax is
-    `agents.exact.tempered_log_softmax`, the trainer's in exact mode.
+    capture it. A NaN in a row's logits makes its logprob NaN (the caller checks). `exact`: the logprob is the
+    trainer's in exact mode (`agents.exact.softmax_stats`, `stats_logprob`), and rows sample by `agents.exact.sample`
+    (an order set by the vocabulary alone; top-k/top-p rows as above, from `agents.exact.tempered_log_softmax`).
     """
     if mode not in SAMPLING_MODES:
         raise ValueError(f"sampling mode must be one of {SAMPLING_MODES}, got {mode!r}")
     greedy = temperature == 0
     scale = torch.where(greedy, 1.0, temperature)
     if exact:
-        logprobs = tempered_log_softmax(logits, scale)
-    else:
-        logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
+        return _exact_tokens(logits, greedy, scale, uniform, top_k, top_p, mode)
+    logprobs = torch.log_softmax(logits / scale[:, None], dim=-1)
     tokens = logits.argmax(dim=-1)
     if mode != "greedy":
-        probs = logprobs.exp()
-        if mode == "truncate":
-            probs = _truncate(probs, top_k, top_p)
-        cdf = probs.to(uniform.dtype).cumsum(dim=-1)
-        total = cdf[:, -1]
-        target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
-        # NaN logits would make the index point past the vocabulary: clamp it (the NaN logprob reports them).
-        choice = torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=logits.shape[-1] - 1)
-        tokens = torch.where(greedy, tokens, choice.squeeze(1))
+        tokens = torch.where(greedy, tokens, _inverse_cdf(logprobs, uniform, top_k, top_p, mode))
     return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _exact_tokens(logits, greedy, scale, uniform, top_k, top_p, mode):
+    """`sample_tokens` in exact mode: the logprob from the row's `agents.exact.softmax_stats` (no [rows, vocab]
+    logprobs), the token by `agents.exact.sample` (no cumulative sum), a row with top-k/top-p by `_inverse_cdf` over
+    `agents.exact.tempered_log_softmax`. Which way a row samples is its own setting, never its batch's mode."""
+    stats = exact_ops.softmax_stats(logits, scale)
+    tokens = logits.argmax(dim=-1)
+    if mode != "greedy":
+        tokens = torch.where(greedy, tokens, exact_ops.sample(logits, scale, stats[:, 0], uniform))
+    if mode == "truncate":
+        truncated = ~greedy & ((top_k < logits.shape[-1]) | torch.isfinite(top_p))
+        choice = _inverse_cdf(exact_ops.tempered_log_softmax(logits, scale), uniform, top_k, top_p, mode)
+        tokens = torch.where(truncated, choice, tokens)
+    return tokens, exact_ops.stats_logprob(logits, tokens, scale, stats)
+
+
+def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 mode: str) -> torch.Tensor:
+    """One id per row of `logprobs` [rows, vocab] at its `uniform` number (after top-k/top-p in "truncate" mode),
+    by a float64 cumulative sum in vocabulary order."""
+    probs = logprobs.exp()
+    if mode == "truncate":
+        probs = _truncate(probs, top_k, top_p)
+    cdf = probs.to(uniform.dtype).cumsum(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(uniform * total, torch.nextafter(total, torch.zeros_like(total)))
+    # NaN logits would make the index point past the vocabulary: clamp it (the NaN logprob reports them).
+    return torch.searchsorted(cdf, target[:, None], right=True).clamp_(max=logprobs.shape[-1] - 1).squeeze(1)
 
 
 def _truncate(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
