@@ -27,6 +27,10 @@
 #   bash benchmarks/run_gpu.sh step_profile  # 1 GPU: the smoke recipe's step 5 under torch.profiler: each phase's wall
 #                                        #   and device-busy time, its costliest kernels, where the device waited for the
 #                                        #   host (issue 29) -> the report printed (STEPS=4: step 4)
+#   bash benchmarks/run_gpu.sh exact_one_turn  # 1 GPU: the smoke recipe's step exact on, then off, with single-turn
+#                                        #   episodes (rollout.max_turns=1: a tool call's second turn, drawn by chance
+#                                        #   with a random model, is not in one run only), 5 steps each
+#                                        #   -> $EXP/rl_step_one_turn_exact_{true,false}.json
 #   bash benchmarks/run_gpu.sh exact_profile  # 1 GPU: step_profile in exact mode (exact_step's settings), steps 1-3,
 #                                        #   step 4 profiled: each phase's costliest kernels -> the report printed
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
@@ -98,6 +102,13 @@ case "${1:-}" in
   step_profile)  # an experiment: steps 1-4 as step1's run, step 5 profiled (left out of the medians; no record)
     rl_step --steps "${STEPS:-5}" --profile-step "${STEPS:-5}" 2>&1 | grep -v "Warn\|warn" | tail -80
     echo "bench_rl_step profile rc=${PIPESTATUS[0]}" ;;
+  exact_one_turn)  # an experiment: exact on and off on the same work (docs/exact.md, the tenth session)
+    for on in true false; do
+      MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=$([ $on = true ] && echo \
+        false || echo true) --set rollout.exact_logprobs=$on --set rollout.max_turns=1 --steps 5 \
+        --out "$EXP/rl_step_one_turn_exact_$on.json" 2>&1 | grep "^steady\|^rollout's\|^logprob\|^step "
+      echo "bench_rl_step one turn, exact $on: rc=${PIPESTATUS[0]}"
+    done ;;
   exact_profile)  # an experiment: step_profile's report in exact mode, one step shorter (the kernels of each phase)
     MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=false \
       --set rollout.exact_logprobs=true --steps 4 --profile-step 4 2>&1 | grep -v "Warn\|warn" | tail -80
@@ -192,6 +203,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_profile|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_one_turn|exact_profile|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac
