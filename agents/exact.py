@@ -160,10 +160,10 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor, u
     """One id per row of float32 `logits` [N, V], by inverse CDF over p ∝ exp(z - m) (z = logits / `temperature` [N],
     m = `top` [N], `softmax_stats`' max) at each row's `uniform` [N] in [0, 1), in an order set by V alone: the
     weights summed in blocks of `SAMPLE_BLOCK` (one `tree_sum` each), the blocks in order into a float64 total; the
-    id is in the first block whose running sum passes u x total, found in it by halving (the target in the left
-    half's `tree_sum`, or past it), or the nearest before it of non-zero weight. A row's id depends on its own logits
-    and u only; a NaN row gets the last id.
-    On CUDA one `triton_sampling.sample` launch (the same steps; its exp is Triton's: its own bits)."""
+    id is in the first block whose running sum passes u x total, where a running sum in id order passes it, or the
+    nearest id before it of non-zero weight. A row's id depends on its own logits and u only; a NaN row gets the last
+    id. On CUDA one `triton_sampling.sample` launch: the same steps, but inside the block it halves (the target in
+    the left half's sum, or past it), which no lane layout can reorder; the ids agree but at an interval's edge."""
     if _kernels(logits) is not None:
         from . import triton_sampling
 
@@ -179,16 +179,13 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor, u
     block = (after <= target[:, None]).sum(-1).clamp(max=blocks - 1)
     running = torch.where(block > 0, after.gather(1, (block - 1).clamp(min=0)[:, None])[:, 0], 0.0)
     inside = weights[torch.arange(rows, device=logits.device), block]
-    lanes, lo = torch.arange(width, device=logits.device), torch.zeros_like(block)
-    half = width
-    while half > 1:
-        half //= 2
-        half_sum = tree_sum(torch.where((lanes >= lo[:, None]) & (lanes < (lo + half)[:, None]), inside, 0.0)).double()
-        right = running + half_sum <= target
-        running, lo = torch.where(right, running + half_sum, running), torch.where(right, lo + half, lo)
-    positive = inside > 0  # (the halves' sums round apart from the block's: never an id of weight 0)
-    last = torch.where(positive & (lanes <= lo[:, None]), lanes, -1).amax(-1)
-    lane = torch.where(last >= 0, last, torch.where(positive & (lanes > lo[:, None]), lanes, width).amin(-1))
+    lanes = torch.arange(width, device=logits.device)
+    # in the block: a float64 running sum in id order (sequential per row on CPU: a few operations, where the kernel's
+    # halving would be a hundred small ones)
+    lo = ((running[:, None] + inside.double().cumsum(-1)) <= target[:, None]).sum(-1).clamp(max=width - 1)
+    positive = inside > 0  # (the block's sum rounds apart from its parts': never an id of weight 0)
+    last = torch.where(positive, lanes, -1).cummax(-1).values.gather(1, lo[:, None])[:, 0]
+    lane = torch.where(last >= 0, last, torch.where(positive, lanes, width).amin(-1))
     return torch.where(torch.isnan(total), vocab - 1, (block * width + lane).clamp(max=vocab - 1))
 
 
