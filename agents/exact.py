@@ -197,11 +197,13 @@ def stats_logprob(logits: torch.Tensor, targets: torch.Tensor, temperature: torc
     return (z - stats[:, 0]) - torch.log(stats[:, 1])
 
 
-def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+def tempered_log_softmax(logits: torch.Tensor, temperature: torch.Tensor,
+                         stats: torch.Tensor | None = None) -> torch.Tensor:
     """``log_softmax(logits.float() / temperature[:, None])`` of `logits` [N, vocab] with a per-row float32
-    `temperature` [N], as (z - m) - log(s) of `softmax_stats`: the engine's sampler's logprobs in exact mode.
-    `token_logprob` gives the trainer the same bits for one token per row."""
-    stats = softmax_stats(logits, temperature)
+    `temperature` [N], as (z - m) - log(s) of `softmax_stats` (`stats`, where the caller has them already): the
+    engine's sampler's logprobs in exact mode. `token_logprob` gives the trainer the same bits for one token per row."""
+    if stats is None:
+        stats = softmax_stats(logits, temperature)
     z = logits.float() / temperature.float()[:, None]
     return (z - stats[:, :1]) - torch.log(stats[:, 1:2])
 

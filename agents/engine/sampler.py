@@ -90,7 +90,7 @@ def _exact_tokens(logits, greedy, scale, uniform, top_k, top_p, mode):
         tokens = torch.where(greedy, tokens, exact_ops.sample(logits, scale, stats[:, 0], uniform))
     if mode == "truncate":
         truncated = ~greedy & ((top_k < logits.shape[-1]) | torch.isfinite(top_p))
-        choice = _inverse_cdf(exact_ops.tempered_log_softmax(logits, scale), uniform, top_k, top_p, mode)
+        choice = _inverse_cdf(exact_ops.tempered_log_softmax(logits, scale, stats), uniform, top_k, top_p, mode)
         tokens = torch.where(truncated, choice, tokens)
     return tokens, exact_ops.stats_logprob(logits, tokens, scale, stats)
 
