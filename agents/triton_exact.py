@@ -5,12 +5,8 @@ Why kernels of our own: cuBLAS picks its algorithm, tile and split-K from the pr
 attention pick their split of the key axis from the batch and the lengths, so a row's bits depend on how many rows
 share its call. Batch invariance needs one configuration, fixed in the code, whatever the shapes of the call.
 
-* `matmul`: a program owns one [BLOCK_M, BLOCK_N] output tile and walks K from 0 in BLOCK_K steps into float32 (no
-  split-K, no autotune; programs go down M first, so a weight tile is read once): an element is accumulated in one
-  order by the same instructions wherever its row sits, so a row's bits depend on its own values only. One tile per
-  dtype (`MATMUL_CONFIGS`); a bf16 call of at most `SMALL_M` rows takes a smaller one with the same BLOCK_K
-  (`SMALL_M_CONFIGS`) where it gives the same bits, checked once per device (`_small_tile_agrees`). Inside a backward
-  (activation checkpointing's recompute, whose values only feed gradients) it is cuBLAS's product.
+* `matmul` (`agents.triton_matmul`): K walked from 0 in fixed steps into float32 in every tile, no split-K, and a
+  tile other than the reference serves only where it gives the reference's bits on this device.
 * `attention`: the key axis cut into blocks of `KEY_BLOCK` positions from position 0, visited in order (online
   softmax, float32); a program holds `QUERY_BLOCK` (query, head) rows, each row's arithmetic its own. A block past a
   row's position is an exact no-op for it (p = 0, the max stays, the rescale is exp(0) = 1), so which queries share a
@@ -35,15 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) of `matmul` by input dtype
-MATMUL_CONFIGS = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
-                  torch.float32: (64, 64, 32, 4, 3)}
-#: the tile of a call of at most `SMALL_M` rows, where the large one leaves most of the GPU idle (decode: at 32 rows
-#: a 896-wide output is 7 programs of 128 x 128, at 256 rows 14); its BLOCK_K must be the large tile's (docs/exact.md,
-#: "The matmul's tile": 2x faster at M = 32 on the 0.5B's qkv, o and down weights, H100)
-SMALL_M_CONFIGS = {torch.bfloat16: (64, 32, 64, 4, 4)}
-SMALL_M = 256
-assert all(cfg[2] == MATMUL_CONFIGS[dtype][2] for dtype, cfg in SMALL_M_CONFIGS.items())
+from .triton_matmul import REFERENCE, matmul  # noqa: F401  (one of the kernels `agents.exact` calls)
+
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64
 #: (query, head) rows per attention program
@@ -51,114 +40,10 @@ QUERY_BLOCK = 64
 #: lanes of `row_sum` (a shorter row: the next power of two of its length)
 SUM_BLOCK = 1024
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = tuple(REFERENCE)  #: the input dtypes of the kernels
 #: True: `sequence_attention` differentiates by flash attention's backward where flash runs and passed its check on
 #: that device (`flash_backward_agrees`), else by recomputing with SDPA. ``MT_ENV_EXACT_FLASH_BACKWARD=0`` turns it off.
 FLASH_BACKWARD = os.environ.get("MT_ENV_EXACT_FLASH_BACKWARD", "1") != "0"
-
-
-@triton.jit(do_not_specialize=["M"])
-def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
-                   STATIC_K: tl.constexpr, INTERPRETED: tl.constexpr):
-    tiles_m = tl.cdiv(M, BLOCK_M)  # programs in a row walk down M first: consecutive ones read one weight tile (L2)
-    rn = (tl.program_id(0) // tiles_m) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = (tl.program_id(0) % tiles_m) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, STATIC_K if INTERPRETED else K, BLOCK_K):  # K in order, from 0: the only reduction order
-        kk = k0 + rk
-        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
-                    mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
-        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=(rn < N)[None, :] & (kk < K)[:, None], other=0.0)
-        if IEEE:  # float32 in: true float32 products (not TF32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
-    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rm < M)[:, None] & (rn < N)[None, :])
-
-
-def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for `x` [M, K] and `weight` [N, K] of one dtype (bfloat16, float16 or float32), float32
-    accumulation, in x's dtype: a row's bits do not depend on M or on the row's place among the others.
-    Differentiable (the backward is torch's: gradients are not compared bit for bit)."""
-    return torch.ops.mt_env.exact_matmul(x, weight)
-
-
-@torch.library.custom_op("mt_env::exact_matmul", mutates_args=())
-def _matmul_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if torch._C._current_graph_task_id() != -1:  # inside a backward: activation checkpointing's recompute
-        _check_matmul(x, weight)  # (docs/exact.md: only the forward's values must be the engine's): cuBLAS
-        return torch.mm(x, weight.t())
-    return _matmul(x, weight)
-
-
-@_matmul_op.register_fake
-def _(x, weight):
-    _check_matmul(x, weight)
-    return x.new_empty(x.shape[0], weight.shape[0])
-
-
-def _matmul_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _matmul_backward(ctx, grad):
-    x, weight = ctx.saved_tensors
-    return (grad @ weight if ctx.needs_input_grad[0] else None,
-            grad.t() @ x if ctx.needs_input_grad[1] else None)
-
-
-_matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
-
-
-def _check_matmul(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"exact matmul: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if x.dtype != weight.dtype or x.dtype not in MATMUL_CONFIGS:
-        raise ValueError(f"exact matmul: x and weight of one dtype of {list(MATMUL_CONFIGS)}, got {x.dtype} and "
-                         f"{weight.dtype}")
-
-
-def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    _check_matmul(x, weight)
-    (M, K), N = x.shape, weight.shape[0]
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if M == 0 or N == 0:
-        return out
-    if K == 0:
-        return out.zero_()
-    small = M <= SMALL_M and x.dtype in SMALL_M_CONFIGS and _small_tile_agrees(x.device, x.dtype)
-    return _launch(x, weight, out, SMALL_M_CONFIGS[x.dtype] if small else MATMUL_CONFIGS[x.dtype])
-
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, config: tuple) -> torch.Tensor:
-    (M, K), N = x.shape, weight.shape[0]
-    block_m, block_n, block_k, warps, stages = config
-    grid = (triton.cdiv(N, block_n) * triton.cdiv(M, block_m),)
-    _matmul_kernel[grid](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
-                         out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                         IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
-                         num_warps=warps, num_stages=stages)
-    return out
-
-
-_AGREES: dict[tuple[str, int | None, torch.dtype], bool] = {}
-
-
-def _small_tile_agrees(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the small tile gives the large tile's bits on this device (checked once: a [64, 640] x [640, 160]
-    product of random values, 10 steps over K, both tiles). Where it does not, every call takes the large tile."""
-    key = (device.type, device.index, dtype)
-    if key not in _AGREES:
-        gen = torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(SMALL_M, 640, generator=gen, device=device).to(dtype)
-        w = torch.randn(160, 640, generator=gen, device=device).to(dtype)
-        small, large = (_launch(x, w, torch.empty(SMALL_M, 160, dtype=dtype, device=device), cfg)
-                        for cfg in (SMALL_M_CONFIGS[dtype], MATMUL_CONFIGS[dtype]))
-        _AGREES[key] = torch.equal(small, large)
-    return _AGREES[key]
 
 
 @triton.jit(do_not_specialize=["queries", "keys", "stride_ps", "stride_is", "stride_ls", "stride_lh"])
@@ -272,8 +157,8 @@ def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_index:
                          f"{tuple(v.shape)}")
     if flat and (k_index.dim() != 2 or k_index.shape[0] != S):
         raise ValueError(f"exact attention: k_index [S, Tk] for q of S = {S}, got {tuple(k_index.shape)}")
-    if q.dtype not in MATMUL_CONFIGS or d < 1:  # (a head_dim under 16 is padded to 16 with masked zeros: BLOCK_D)
-        raise ValueError(f"exact attention: dtype of {list(MATMUL_CONFIGS)} and head_dim >= 1, got {q.dtype}, {d}")
+    if q.dtype not in DTYPES or d < 1:  # (a head_dim under 16 is padded to 16 with masked zeros: BLOCK_D)
+        raise ValueError(f"exact attention: dtype of {list(DTYPES)} and head_dim >= 1, got {q.dtype}, {d}")
 
 
 def _reference(q, k, v, q_pos, k_len, scale):
@@ -588,6 +473,6 @@ def _(x, temperature):
 
 
 def _check_softmax_stats(x: torch.Tensor, temperature: torch.Tensor) -> None:
-    if x.dim() != 2 or temperature.shape != x.shape[:1] or x.dtype not in MATMUL_CONFIGS or x.shape[1] == 0:
-        raise ValueError(f"exact softmax_stats: x [N, V > 0] of a dtype of {list(MATMUL_CONFIGS)} and temperature "
+    if x.dim() != 2 or temperature.shape != x.shape[:1] or x.dtype not in DTYPES or x.shape[1] == 0:
+        raise ValueError(f"exact softmax_stats: x [N, V > 0] of a dtype of {list(DTYPES)} and temperature "
                          f"[N], got {tuple(x.shape)} {x.dtype} and {tuple(temperature.shape)}")

@@ -1,18 +1,16 @@
-"""Exact mode's matmul (`agents.triton_exact.matmul`) alone at Qwen2.5-0.5B's weight shapes, under several tile
-configurations, against `F.linear` (cuBLAS) — to choose a tile per weight shape (issue 28).
+"""Exact mode's matmul (`agents.triton_matmul`) alone at Qwen2.5-0.5B's weight shapes, under candidate tiles, against
+`F.linear` (cuBLAS): to choose the small tile (decode's few rows) and the large one (prefill, the trainer) (issue 28).
 
-A tile may depend on the weight's shape (N, K) and stay exact: the engine and the trainer multiply by the same weight,
-so they get the same tile; what must not change a row's bits is M, the number of rows in the call. For each
-configuration this script checks that too (the first rows' bits alone and among many), and whether its bits equal
-today's configuration's (if tiles with the same BLOCK_K agree, the tile could follow M as well), and times the
-decode shapes (M = 32, 256 rows) and a trainer micro-batch (M = 8,192) in microseconds, each call in a CUDA graph.
-`--rows` times other row counts (the RL update's 32k-token micro-batches: 32768); `--weights` picks shapes, among them
-the unfused ones both sides multiply today (HF's Qwen2 layers: q, k, v, gate and up apart; `q`, `kv`, `gate`).
+A tile may serve a call only where it gives the reference tile's bits (the order over K is BLOCK_K's in every tile;
+whether the MMA instructions of two tile shapes round alike is the GPU's matter), so for each candidate this script
+checks its bits against the reference's at two row counts and that a row's bits are the same alone, among 32 and among
+many; then times it at the row counts of its group (each call in a CUDA graph, microseconds). The reference under the
+old program order (down M only, ``group_m`` 65536) is timed beside today's grouped order.
 
 An experiment: what it decides goes to docs/exact.md, with the command.
 
     python benchmarks/bench_exact_matmul.py --out /tmp/exact_matmul.json
-    python benchmarks/bench_exact_matmul.py --rows 8192 32768 --weights q kv o gate down lm_head
+    python benchmarks/bench_exact_matmul.py --weights q down --groups large --bits-only
 """
 
 from __future__ import annotations
@@ -27,56 +25,70 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents import triton_exact as te  # noqa: E402
+from agents import triton_matmul as tm  # noqa: E402
+from agents.triton_matmul import Tile  # noqa: E402
 
-#: (N, K) of the 0.5B shape's weights: qkv and gate_up as if fused, o, down, the tied LM head (the default set), and
-#: q, k or v, gate or up as the engine and the trainer multiply them today (apart)
-WEIGHTS = {"qkv": (1152, 896), "o": (896, 896), "gate_up": (9728, 896), "down": (896, 4864), "lm_head": (151936, 896),
-           "q": (896, 896), "kv": (128, 896), "gate": (4864, 896)}
-DEFAULT_WEIGHTS = ["qkv", "o", "gate_up", "down", "lm_head"]
-ROWS = [32, 256, 8192]  #: the default row counts; the first rows' bits are compared at ROWS[1]
-#: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) tried; the first is today's bf16 configuration
-CONFIGS = [(128, 128, 64, 8, 3), (64, 64, 64, 4, 3), (64, 128, 64, 4, 3), (128, 64, 64, 4, 3), (64, 32, 64, 4, 4),
-           (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 4), (16, 64, 64, 4, 4),
-           (256, 128, 64, 8, 3), (128, 256, 64, 8, 4), (128, 128, 64, 8, 4)]
+#: (N, K) of the 0.5B shape's weights as both sides multiply them (HF's Qwen2: q, k, v, gate, up apart), the tied
+#: LM head
+WEIGHTS = {"q": (896, 896), "kv": (128, 896), "o": (896, 896), "gate": (4864, 896), "down": (896, 4864),
+           "lm_head": (151936, 896)}
+#: row counts timed per group; the LM head's calls are of at most `agents.logprobs.CHUNK_TOKENS` rows in the trainer
+ROWS = {"small": [1, 2, 16, 64, 256], "large": [1024, 2048, 8192, 32768]}
+MAX_LM_HEAD_ROWS = 8192
+_REF = tm.REFERENCE[torch.bfloat16]
+CANDIDATES = {
+    "small": [_REF, tm.SMALL[torch.bfloat16], Tile("pointer", 16, 32, 64, 4, 4), Tile("pointer", 16, 64, 64, 4, 4),
+              Tile("pointer", 32, 32, 64, 4, 4), Tile("pointer", 16, 16, 64, 4, 4), Tile("pointer", 16, 32, 64, 2, 4),
+              Tile("pointer", 64, 64, 64, 4, 4)],
+    "large": [_REF, _REF._replace(group_m=65536), Tile("pointer", 128, 256, 64, 8, 3), Tile("tma", 128, 128, 64, 8, 3),
+              Tile("tma", 128, 128, 64, 4, 4), Tile("tma", 128, 256, 64, 8, 3), Tile("tma", 128, 256, 64, 8, 4),
+              Tile("tma", 256, 128, 64, 8, 3), Tile("tma", 128, 256, 64, 8, 3, group_m=1),
+              Tile("tma", 128, 256, 64, 8, 3, group_m=16)],
+}
 
 
 def _bench(fn) -> float:
     import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=100) * 1000.0  # microseconds
+    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000.0  # microseconds
 
 
-def _invariant(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the first 3 rows' bits are the same alone, among 32 and among all of x."""
-    alone = te.matmul(x[:3].clone(), w)
-    return all(torch.equal(alone, te.matmul(x[:m].clone(), w)[:3]) for m in (32, len(x)))
+def _run(x: torch.Tensor, w: torch.Tensor, tile: Tile) -> torch.Tensor:
+    return tm.launch(x, w, torch.empty(len(x), len(w), dtype=x.dtype, device=x.device), tile)
 
 
-def weight(name: str, n: int, k: int, gen: torch.Generator, rows: list[int], timed: bool = True) -> dict:
+def _bits(x: torch.Tensor, w: torch.Tensor, tile: Tile) -> dict:
+    """Whether `tile` gives the reference's bits on the first 300 rows and on all of x, and whether the first 3
+    rows' bits are the same alone, among 32 and among all of x."""
+    alone = _run(x[:3], w, tile)
+    return dict(reference_bits=all(torch.equal(_run(x[:m], w, tile), _run(x[:m], w, _REF)) for m in (300, len(x))),
+                rows_invariant=all(torch.equal(alone, _run(x[:m], w, tile)[:3]) for m in (32, len(x))))
+
+
+def weight(name: str, gen: torch.Generator, groups: list[str], timed: bool) -> dict:
+    n, k = WEIGHTS[name]
     w = torch.randn(n, k, generator=gen, device="cuda").bfloat16() * k ** -0.5
-    xs = {m: torch.randn(m, k, generator=gen, device="cuda").bfloat16() for m in sorted({*rows, ROWS[1]})}
-    out = dict(weight=name, n=n, k=k, configs=[],
-               cublas_us={m: _bench(lambda: F.linear(xs[m], w)) for m in rows} if timed else {})
-    print(f"{name} [{n}, {k}]: cuBLAS " + " ".join(f"M={m}: {us:8.1f} us" for m, us in out["cublas_us"].items()),
-          flush=True)
-    today = te.matmul(xs[ROWS[1]], w)  # today's tile at ROWS[1] rows
-    small_tile = te.SMALL_M_CONFIGS[torch.bfloat16]
-    for cfg in CONFIGS:  # each configuration for every M: the small-M tile too
-        te.MATMUL_CONFIGS[torch.bfloat16] = te.SMALL_M_CONFIGS[torch.bfloat16] = cfg
-        try:
-            same = torch.equal(te.matmul(xs[ROWS[1]], w), today)
-            us = {m: _bench(lambda: te.matmul(xs[m], w)) for m in rows} if timed else {}
-        except Exception as exc:  # a tile too large for the SM's shared memory: recorded, not fatal
-            out["configs"].append(dict(config=cfg, error=f"{type(exc).__name__}: {exc}"[:200]))
-            print(f"  {cfg}: {type(exc).__name__}", flush=True)
-            continue
-        row = dict(config=cfg, us=us, vs_cublas={m: us[m] / out["cublas_us"][m] for m in us},
-                   invariant=_invariant(xs[max(xs)], w), same_bits_as_today=same)
-        out["configs"].append(row)
-        print(f"  {cfg}: " + " ".join(f"M={m}: {us[m]:8.1f} us ({row['vs_cublas'][m]:4.2f}x)" for m in us)
-              + f"  rows invariant: {row['invariant']}, bits as today's: {same}", flush=True)
-    te.MATMUL_CONFIGS[torch.bfloat16], te.SMALL_M_CONFIGS[torch.bfloat16] = CONFIGS[0], small_tile
+    rows = {g: [m for m in ROWS[g] if name != "lm_head" or m <= MAX_LM_HEAD_ROWS] for g in groups}
+    xs = {m: torch.randn(m, k, generator=gen, device="cuda").bfloat16() for m in {2048, *sum(rows.values(), [])}}
+    out = dict(weight=name, n=n, k=k, cublas_us={}, tiles=[])
+    for group in groups:
+        cublas = {m: _bench(lambda: F.linear(xs[m], w)) for m in rows[group]} if timed else {}
+        out["cublas_us"].update(cublas)
+        print(f"{name} [{n}, {k}] {group}: cuBLAS " + " ".join(f"M={m}: {us:.1f}" for m, us in cublas.items()),
+              flush=True)
+        for tile in CANDIDATES[group]:
+            try:
+                row = dict(group=group, tile=tile._asdict(), **_bits(xs[2048], w, tile))
+                row["us"] = {m: _bench(lambda: _run(xs[m], w, tile)) for m in rows[group]} if timed else {}
+            except Exception as exc:  # a tile this GPU cannot run (shared memory): recorded, not fatal
+                out["tiles"].append(dict(group=group, tile=tile._asdict(), error=f"{type(exc).__name__}: {exc}"[:300]))
+                print(f"  {tuple(tile)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+                continue
+            row["vs_cublas"] = {m: row["us"][m] / cublas[m] for m in row["us"]}
+            out["tiles"].append(row)
+            print(f"  {tuple(tile)}: " + " ".join(f"M={m}: {us:.1f} ({row['vs_cublas'][m]:.2f}x)"
+                                                  for m, us in row["us"].items())
+                  + f"  reference bits: {row['reference_bits']}, rows invariant: {row['rows_invariant']}", flush=True)
     return out
 
 
@@ -84,15 +96,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the figures here (JSON)")
     ap.add_argument("--bits-only", action="store_true", help="check the bits, time nothing")
-    ap.add_argument("--rows", type=int, nargs="+", default=ROWS, help="row counts M to time (default: %(default)s)")
-    ap.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=DEFAULT_WEIGHTS,
+    ap.add_argument("--groups", nargs="+", choices=list(CANDIDATES), default=list(CANDIDATES))
+    ap.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=list(WEIGHTS),
                     help="weight shapes to try (default: %(default)s)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_exact_matmul: needs CUDA (the kernels are timed on the GPU)")
     gen = torch.Generator("cuda").manual_seed(0)
-    weights = [weight(name, *WEIGHTS[name], gen, args.rows, timed=not args.bits_only) for name in args.weights]
-    figures = dict(device=torch.cuda.get_device_name(), rows=args.rows, weights=weights)
+    weights = [weight(name, gen, args.groups, timed=not args.bits_only) for name in args.weights]
+    figures = dict(device=torch.cuda.get_device_name(), weights=weights)
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1))
 

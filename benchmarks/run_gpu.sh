@@ -143,7 +143,7 @@ case "${1:-}" in
     MT_ENV_TEST_DEVICE=cuda timeout 200 python3 benchmarks/exact_sampler_check.py --path direct trainer 2>&1 \
       | grep -v "Warn\|warn" | tail -40; echo "exact_sampler_check rc=${PIPESTATUS[0]}" ;;
   exact_matmul)  # an experiment: a tile per weight shape for exact mode's matmul (docs/exact.md)
-    timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -60
+    timeout 400 python3 benchmarks/bench_exact_matmul.py --out "$EXP/exact_matmul.json" 2>&1 | tail -150
     echo "bench_exact_matmul rc=${PIPESTATUS[0]}" ;;
   sanitize)  # an experiment: memcheck sees out-of-bounds accesses only with the caching allocator off
     if ! command -v compute-sanitizer > /dev/null; then

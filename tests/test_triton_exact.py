@@ -1,8 +1,7 @@
-"""Exact mode's Triton kernels (`agents.triton_exact`, docs/exact.md): the matmul close to torch's and a row's bits
-independent of how many rows share the call and where the row sits; the attention close to `agents.exact.attention`'s
-torch version and a query's bits independent of which queries share the call (decode's one, a prefill's run after a
-cached prefix, any subset in any order) and of the keys past its sequence's length; the row sum close to torch's and a
-row's bits independent of the other rows. Runs on CUDA
+"""Exact mode's Triton kernels (`agents.triton_exact`, docs/exact.md; the matmul's tests: test_triton_matmul.py): the
+attention close to `agents.exact.attention`'s torch version and a query's bits independent of which queries share the
+call (decode's one, a prefill's run after a cached prefix, any subset in any order) and of the keys past its
+sequence's length; the row sum close to torch's and a row's bits independent of the other rows. Runs on CUDA
 (``MT_ENV_TEST_DEVICE=cuda``, float32 and bfloat16), or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
 float32: the interpreter reads bfloat16 wrongly in `tl.dot`)."""
 
@@ -33,101 +32,6 @@ TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
-
-
-# --------------------------------------------------------------------------------------------- matmul
-@settings(max_examples=EXAMPLES, deadline=None)
-@given(m=st.integers(1, 150), picks=st.lists(st.integers(0, 149), min_size=1, max_size=20),
-       k=st.sampled_from([16, 37, 100]), n=st.sampled_from([48, 70]), dtype=st.sampled_from(DTYPES),
-       seed=st.integers(0, 2**16))
-def test_matmul_rows_do_not_depend_on_the_row_count_or_their_place(m, picks, k, n, dtype, seed):
-    """Any selection of rows, in any order and with repeats, as a call of its own: the same bits as those rows of
-    the full product, and of a product over the first `m` rows; values close to torch's matmul."""
-    x, w = randn(150, k, seed=seed, dtype=dtype), randn(n, k, seed=seed + 1, dtype=dtype)
-    full = triton_exact.matmul(x, w)
-    rows = torch.tensor([p % m for p in picks], device=DEVICE)
-    assert full.dtype == dtype and full.shape == (150, n)
-    assert torch.equal(triton_exact.matmul(x[:m], w), full[:m])
-    assert torch.equal(triton_exact.matmul(x[:m][rows], w), full[rows])
-    expected = x.double() @ w.double().t()
-    torch.testing.assert_close(full.double(), expected, atol=TOLERANCE[dtype] * k ** 0.5, rtol=TOLERANCE[dtype])
-
-
-def test_matmul_inside_a_backward_is_torchs_product():
-    """Activation checkpointing recomputes a layer in backward, where only gradients read the values: there the op is
-    cuBLAS's ``x @ w.T`` (torch's bits), outside a backward the kernel's."""
-    x, w = randn(37, 16, seed=1), randn(24, 16, seed=2)
-    inside = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, t):
-            return t.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            inside.append(triton_exact.matmul(x, w))
-            return grad
-
-    Probe.apply(torch.zeros(3, device=DEVICE, requires_grad=True)).sum().backward()
-    assert torch.equal(inside[0], torch.mm(x, w.t()))
-    assert torch.equal(triton_exact.matmul(x, w), triton_exact._matmul(x, w))
-
-
-def test_matmul_takes_the_small_tile_for_few_rows_only_where_it_gives_the_same_bits(monkeypatch):
-    """A call of at most SMALL_M rows takes the small tile when this device's check found its bits equal to the large
-    tile's, the large tile otherwise; either way a row's bits are those it gets among many rows."""
-    dtype = DTYPES[-1]
-    large = triton_exact.MATMUL_CONFIGS[dtype]
-    small = (32, 32, large[2], 4, 3)
-    monkeypatch.setitem(triton_exact.SMALL_M_CONFIGS, dtype, small)
-    monkeypatch.setattr(triton_exact, "_AGREES", {})
-    used, launch = [], triton_exact._launch
-
-    def recorded(x, w, out, cfg):
-        used.append((len(x), cfg))
-        return launch(x, w, out, cfg)
-
-    monkeypatch.setattr(triton_exact, "_launch", recorded)
-    many = triton_exact.SMALL_M + 44
-    x, w = randn(many, 150, seed=3, dtype=dtype), randn(40, 150, seed=4, dtype=dtype)
-    full = triton_exact.matmul(x, w)
-    assert used[-1] == (many, large)
-    agrees = triton_exact._small_tile_agrees(x.device, dtype)
-    assert torch.equal(triton_exact.matmul(x[:5], w), full[:5])
-    assert used[-1] == (5, small if agrees else large)
-    key = next(iter(triton_exact._AGREES))
-    for forced in (False, True):
-        triton_exact._AGREES[key] = forced
-        triton_exact.matmul(x[:5], w)
-        assert used[-1] == (5, small if forced else large)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tiles on a GPU (MT_ENV_TEST_DEVICE=cuda)")
-@pytest.mark.parametrize("n, k", [(1152, 896), (896, 4864)])
-def test_matmul_rows_keep_their_bits_across_the_small_m_boundary_at_real_shapes(n, k):
-    """The 0.5B's qkv and down weights in bf16: 3 rows alone (the small tile), among SMALL_M and among 300 (the large
-    one) give the same bits, and on this GPU the small tile is in use."""
-    x, w = randn(300, k, seed=5, dtype=torch.bfloat16), randn(n, k, seed=6, dtype=torch.bfloat16) * k ** -0.5
-    alone = triton_exact.matmul(x[:3], w)
-    for m in (triton_exact.SMALL_M, triton_exact.SMALL_M + 1, 300):
-        assert torch.equal(triton_exact.matmul(x[:m], w)[:3], alone), m
-    assert triton_exact._small_tile_agrees(x.device, torch.bfloat16)
-
-
-def test_matmul_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="one dtype"):
-        triton_exact.matmul(randn(4, 16, seed=0), randn(8, 16, seed=1, dtype=torch.float64))
-    with pytest.raises(ValueError, match=r"\[M, K\]"):
-        triton_exact.matmul(randn(4, 16, seed=0), randn(8, 15, seed=1))
-    assert triton_exact.matmul(randn(0, 16, seed=0), randn(8, 16, seed=1)).shape == (0, 8)
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="exact.linear takes the Triton kernel on CUDA only")
-def test_exact_linear_runs_the_kernel_on_cuda():
-    x, w, b = randn(3, 5, 64, seed=0, dtype=torch.bfloat16), randn(40, 64, seed=1, dtype=torch.bfloat16), \
-        randn(40, seed=2, dtype=torch.bfloat16)
-    assert torch.equal(exact.linear(x, w, b), (triton_exact.matmul(x.reshape(15, 64), w) + b).reshape(3, 5, 40))
 
 
 # --------------------------------------------------------------------------------------------- attention

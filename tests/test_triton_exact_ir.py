@@ -61,3 +61,28 @@ def test_the_row_kernels_add_in_pairs_whatever_the_layout(name, dtype, block):
     assert all(shape[axis] == 2 or math.prod(shape) == 1 for axis, shape in sums), sums
     others = [body for _, _, body in reductions if "arith.addf" not in body]
     assert all(any(op in body for op in ("max", "min", "arith.addi")) for body in others)  # exact in any order
+
+
+def test_the_matmuls_large_tile_compiles_for_sm90_to_tma_loads_and_wgmma():
+    """The persistent kernel of exact mode's large tile (`agents.triton_matmul.LARGE`) compiles for an H100 without
+    a GPU, its operands loaded by TMA and multiplied by wgmma (what the tile is for), within the SM's shared memory."""
+    import torch
+
+    from agents import triton_matmul
+
+    tile = triton_matmul.LARGE[torch.bfloat16]
+    consts = dict(PROGRAMS=132, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+                  GROUP_M=tile.group_m, IEEE=False, STATIC_K=0, STATIC_TILES=0, INTERPRETED=False)
+    signature = dict(x_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_k}]>",
+                     w_desc=f"tensordesc<bf16[{tile.block_n},{tile.block_k}]>",
+                     out_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_n}]>", M="i32", N="i32", K="i32",
+                     **{name: "constexpr" for name in consts})
+    source = ASTSource(fn=triton_matmul._tma_kernel, signature=signature, constexprs=consts)
+    try:
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128),
+                                  options={"num_warps": tile.warps, "num_stages": tile.stages})
+    except (RuntimeError, FileNotFoundError) as error:  # no NVIDIA backend or ptxas in this Triton
+        pytest.skip(f"Triton cannot compile for sm_90 here: {error}")
+    ir = compiled.asm["ttgir"]
+    assert "async_tma_copy_global_to_local" in ir and "warp_group_dot" in ir
+    assert compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block

@@ -1,0 +1,259 @@
+"""Exact mode's matmul in Triton (CUDA; docs/exact.md, "On CUDA" and "The matmul's order over tiles"): ``x @ W^T``
+whose rows' bits depend on their own values only, whatever the number of rows in the call or their places.
+
+Why a kernel of our own: cuBLAS picks its algorithm, tile and split-K from the problem's shape, so a row's bits
+depend on M. Here one thing is fixed for every call of a dtype: the reduction over K, walked from 0 in steps of
+`BLOCK_K` into a float32 accumulator by ``tl.dot`` (no split-K). A `Tile` says how the output is cut and in what order
+programs take the pieces; that changes no element's arithmetic where the GPU's MMA instructions give one element
+the same bits in any tile shape. That is the hardware's property, not the code's, so a tile other than the dtype's
+`REFERENCE` serves only where it gave the reference's bits on this device (`_agrees`: checked once per device), else
+the reference does:
+
+* ``"pointer"`` tiles: a program per output tile, loads by pointer (any strides). The reference, and `SMALL` for
+  calls of at most `SMALL_M` rows (decode: the reference's tile leaves most of the GPU idle).
+* ``"tma"`` tiles: persistent programs (one per SM) that load and store by TMA descriptors, Hopper and later, for
+  calls of at least `LARGE_M` rows (prefill, the trainer) whose operands TMA can read (`_tma_ready`).
+
+Programs take tiles in groups of `Tile.group_m` tiles down M, across N within a group: the weight's tiles and the
+rows' tiles in flight both stay in L2 (down M alone re-read a 32k-row x from memory once per column of tiles).
+Inside a backward (activation checkpointing's recompute, whose values only feed gradients) the product is cuBLAS's.
+Under Triton's interpreter (``TRITON_INTERPRET=1``) loop bounds are constants (`STATIC_*`), with the same masks.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+class Tile(NamedTuple):
+    """How a call's output is cut: the kernel, the output tile, `block_k` (the reduction's step: every tile of a
+    dtype has the reference's), warps, pipeline stages, and `group_m` (M-tiles per group of the programs' order)."""
+
+    kernel: str
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    group_m: int = 8
+
+
+#: the tile whose bits define exact mode's matmul, by input dtype (float32: IEEE products, not TF32)
+REFERENCE = {torch.bfloat16: Tile("pointer", 128, 128, 64, 8, 3), torch.float16: Tile("pointer", 128, 128, 64, 8, 3),
+             torch.float32: Tile("pointer", 64, 64, 32, 4, 3)}
+#: the tile of a call of at most `SMALL_M` rows (decode: at 32 rows a 896-wide output is 7 programs of the reference)
+SMALL = {torch.bfloat16: Tile("pointer", 64, 32, 64, 4, 4)}
+SMALL_M = 256
+#: the tile of a call of at least `LARGE_M` rows whose operands TMA reads (`_tma_ready`)
+LARGE = {torch.bfloat16: Tile("tma", 128, 256, 64, 8, 3), torch.float16: Tile("tma", 128, 256, 64, 8, 3)}
+LARGE_M = 2048
+assert all(t.block_k == REFERENCE[dtype].block_k for tiles in (SMALL, LARGE) for dtype, t in tiles.items())
+
+
+@triton.jit
+def _tile_of(program, tiles_m, tiles_n, GROUP_M: tl.constexpr):
+    """(m, n) of the `program`-th tile: groups of GROUP_M tiles down M, each group walked down M, then across N."""
+    group = program // (GROUP_M * tiles_n)
+    first_m = group * GROUP_M
+    size = tl.minimum(tiles_m - first_m, GROUP_M)
+    in_group = program - group * GROUP_M * tiles_n
+    return first_m + in_group % size, in_group // size
+
+
+@triton.jit(do_not_specialize=["M"])
+def _pointer_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk, stride_om,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                    IEEE: tl.constexpr, STATIC_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_m, pid_n = _tile_of(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, STATIC_K if INTERPRETED else K, BLOCK_K):  # K in order, from 0: the only reduction order
+        kk = k0 + rk
+        a = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :] * stride_xk,
+                    mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
+        b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None] * stride_wk,
+                    mask=(rn < N)[None, :] & (kk < K)[:, None], other=0.0)
+        if IEEE:  # float32 in: true float32 products (not TF32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    tl.store(out_ptr + rm[:, None] * stride_om + rn[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+@triton.jit
+def _tma_tile(x_desc, w_desc, out_desc, program, tiles_m, tiles_n, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr):
+    """One output tile of the TMA kernel: the same walk over K as `_pointer_kernel` (TMA fills what lies past M, N or
+    K with zeros, as the pointer kernel's masks do, and stores nothing past M or N)."""
+    pid_m, pid_n = _tile_of(program, tiles_m, tiles_n, GROUP_M)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = x_desc.load([pid_m * BLOCK_M, k0])
+        b = w_desc.load([pid_n * BLOCK_N, k0])
+        if IEEE:
+            acc = tl.dot(a, b.T, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b.T, acc)
+    out_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], acc.to(out_desc.dtype))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _tma_kernel(x_desc, w_desc, out_desc, M, N, K, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+                STATIC_K: tl.constexpr, STATIC_TILES: tl.constexpr, INTERPRETED: tl.constexpr):
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    if INTERPRETED:  # (constant loop bounds; the same tiles)
+        for first in range(0, STATIC_TILES, PROGRAMS):
+            if first + tl.program_id(0) < tiles_m * tiles_n:
+                _tma_tile(x_desc, w_desc, out_desc, first + tl.program_id(0), tiles_m, tiles_n, STATIC_K, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, IEEE)
+    else:
+        for program in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+            _tma_tile(x_desc, w_desc, out_desc, program, tiles_m, tiles_n, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      IEEE)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for `x` [M, K] and `weight` [N, K] of one dtype (bfloat16, float16 or float32), float32
+    accumulation, in x's dtype: a row's bits do not depend on M or on the row's place among the others.
+    Differentiable (the backward is torch's: gradients are not compared bit for bit)."""
+    return torch.ops.mt_env.exact_matmul(x, weight)
+
+
+@torch.library.custom_op("mt_env::exact_matmul", mutates_args=())
+def _matmul_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    if torch._C._current_graph_task_id() != -1:  # inside a backward: activation checkpointing's recompute
+        _check(x, weight)  # (docs/exact.md: only the forward's values must be the engine's): cuBLAS
+        return torch.mm(x, weight.t())
+    return _matmul(x, weight)
+
+
+@_matmul_op.register_fake
+def _(x, weight):
+    _check(x, weight)
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _matmul_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _matmul_backward(ctx, grad):
+    x, weight = ctx.saved_tensors
+    return (grad @ weight if ctx.needs_input_grad[0] else None,
+            grad.t() @ x if ctx.needs_input_grad[1] else None)
+
+
+_matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"exact matmul: x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.dtype != weight.dtype or x.dtype not in REFERENCE:
+        raise ValueError(f"exact matmul: x and weight of one dtype of {list(REFERENCE)}, got {x.dtype} and "
+                         f"{weight.dtype}")
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    _check(x, weight)
+    (M, K), N = x.shape, weight.shape[0]
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    return launch(x, weight, out, tile_for(x, weight))
+
+
+def tile_for(x: torch.Tensor, weight: torch.Tensor) -> Tile:
+    """The tile of ``x @ weight.T``: `SMALL` for at most `SMALL_M` rows, `LARGE` for at least `LARGE_M` rows that
+    TMA can read, each where it gives the reference's bits on this device; else `REFERENCE`."""
+    M, dtype = x.shape[0], x.dtype
+    if M <= SMALL_M and dtype in SMALL and _agrees(x.device, dtype, SMALL[dtype]):
+        return SMALL[dtype]
+    if M >= LARGE_M and dtype in LARGE and _tma_ready(x, weight) and _agrees(x.device, dtype, LARGE[dtype]):
+        return LARGE[dtype]
+    return REFERENCE[dtype]
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile) -> torch.Tensor:
+    """Write ``x @ weight.T`` into `out` (fresh, contiguous) under `tile`: the kernel itself, no choice made."""
+    (M, K), N = x.shape, weight.shape[0]
+    consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                  IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
+                  num_warps=tile.warps, num_stages=tile.stages)
+    tiles = triton.cdiv(N, tile.block_n) * triton.cdiv(M, tile.block_m)
+    if tile.kernel == "pointer":
+        _pointer_kernel[(tiles,)](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
+                                  weight.stride(1), out.stride(0), **consts)
+        return out
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    programs = min(tiles, _processors(x.device))
+    _tma_kernel[(programs,)](TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
+                             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]),
+                             TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n]), M, N, K,
+                             PROGRAMS=programs, STATIC_TILES=tiles if _INTERPRETED else 0, **consts)
+    return out
+
+
+def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether TMA can read `x` and `weight` and write their product on their device: a Hopper or later GPU (or the
+    interpreter, which counts strides in elements), rows contiguous, row strides (the output's: N) and base
+    addresses 16-byte aligned."""
+    if x.device.type == "cuda":
+        if torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+    elif not _INTERPRETED:
+        return False
+    unit = 1 if _INTERPRETED else x.element_size()
+    strides = (x.stride(0), weight.stride(0), weight.shape[0])
+    return (x.stride(1) == 1 and weight.stride(1) == 1 and all(s * unit % 16 == 0 for s in strides)
+            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+
+
+_PROCESSORS: dict[int | None, int] = {}
+
+
+def _processors(device: torch.device) -> int:
+    """The persistent kernel's programs: one per SM (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    if device.index not in _PROCESSORS:
+        _PROCESSORS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _PROCESSORS[device.index]
+
+
+_AGREES: dict[tuple[str, int | None, torch.dtype, Tile], bool] = {}
+_PROBE = (512, 640, 320)  #: (M, K, N) of `_agrees`' product: whole and partial tiles, 10 steps over K for bf16
+
+
+def _agrees(device: torch.device, dtype: torch.dtype, tile: Tile) -> bool:
+    """Whether `tile` gives the reference tile's bits on this device, checked once: a product of random values under
+    both tiles. Where it does not (or cannot run here), the reference serves; a failure to run warns."""
+    key = (device.type, device.index, dtype, tile)
+    if key not in _AGREES:
+        (m, k, n), gen = _PROBE, torch.Generator(device=device).manual_seed(0)
+        x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+        w = torch.randn(n, k, generator=gen, device=device).to(dtype)
+        try:
+            got, want = (launch(x, w, torch.empty(m, n, dtype=dtype, device=device), t)
+                         for t in (tile, REFERENCE[dtype]))
+            _AGREES[key] = torch.equal(got, want)
+        except Exception as exc:  # shared memory, TMA, or this Triton: the reference tile serves
+            warnings.warn(f"exact matmul: the tile {tile} does not run on {device} ({type(exc).__name__}: {exc}); "
+                          f"the reference tile serves")
+            _AGREES[key] = False
+    return _AGREES[key]

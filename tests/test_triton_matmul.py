@@ -1,0 +1,155 @@
+"""Exact mode's matmul (`agents.triton_matmul`, docs/exact.md): close to torch's, and a row's bits independent of how
+many rows share the call, where the row sits, and which tile serves the call (the small tile for few rows, the
+persistent TMA tile for many, each only where it gives the reference tile's bits). Runs on CUDA
+(``MT_ENV_TEST_DEVICE=cuda``, float32 and bfloat16), or on CPU under Triton's interpreter (``TRITON_INTERPRET=1``,
+float32; there the TMA kernel runs too, with a float32 tile made for the test)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents import exact
+
+from .backend_hf_fixtures import DEVICE
+
+triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
+if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("the Triton kernels need CUDA (MT_ENV_TEST_DEVICE=cuda) or TRITON_INTERPRET=1", allow_module_level=True)
+
+from agents import triton_matmul as tm  # noqa: E402  (after the skip: it imports triton)
+
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+EXAMPLES = 30 if DEVICE == "cuda" else 15
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+#: a TMA tile for float32 (none ships: float32 has the reference tile only), to run the TMA kernel's logic anywhere
+TMA_F32 = tm.Tile("tma", 32, 32, 32, 4, 2, group_m=2)
+
+
+def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(m=st.integers(1, 150), picks=st.lists(st.integers(0, 149), min_size=1, max_size=20),
+       k=st.sampled_from([16, 37, 100]), n=st.sampled_from([48, 70]), dtype=st.sampled_from(DTYPES),
+       seed=st.integers(0, 2**16))
+def test_matmul_rows_do_not_depend_on_the_row_count_or_their_place(m, picks, k, n, dtype, seed):
+    """Any selection of rows, in any order and with repeats, as a call of its own: the same bits as those rows of
+    the full product, and of a product over the first `m` rows; values close to torch's matmul."""
+    x, w = randn(150, k, seed=seed, dtype=dtype), randn(n, k, seed=seed + 1, dtype=dtype)
+    full = tm.matmul(x, w)
+    rows = torch.tensor([p % m for p in picks], device=DEVICE)
+    assert full.dtype == dtype and full.shape == (150, n)
+    assert torch.equal(tm.matmul(x[:m], w), full[:m])
+    assert torch.equal(tm.matmul(x[:m][rows], w), full[rows])
+    expected = x.double() @ w.double().t()
+    torch.testing.assert_close(full.double(), expected, atol=TOLERANCE[dtype] * k ** 0.5, rtol=TOLERANCE[dtype])
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(m=st.integers(1, 140), n=st.sampled_from([16, 48, 80]), k=st.sampled_from([16, 48, 112]),
+       group_m=st.sampled_from([1, 2, 8]), seed=st.integers(0, 2**16))
+def test_the_tma_kernel_and_any_program_order_give_the_reference_tiles_bits(m, n, k, group_m, seed):
+    """The persistent TMA kernel (whole and partial tiles, fewer programs than tiles) and the pointer kernel under
+    any grouping of its programs: the reference tile's bits (float32; in bfloat16 on a GPU at real shapes below)."""
+    x, w = randn(m, k, seed=seed), randn(n, k, seed=seed + 1)
+    want = tm.launch(x, w, torch.empty(m, n, device=DEVICE), tm.REFERENCE[torch.float32])
+    if tm._tma_ready(x, w):
+        got = tm.launch(x, w, torch.empty(m, n, device=DEVICE), TMA_F32._replace(group_m=group_m))
+        assert torch.equal(got, want)
+    regrouped = tm.REFERENCE[torch.float32]._replace(group_m=group_m)
+    assert torch.equal(tm.launch(x, w, torch.empty(m, n, device=DEVICE), regrouped), want)
+
+
+def test_tma_serves_only_operands_it_can_read():
+    """Rows contiguous with 16-byte-aligned strides (the output's too) and bases; else the pointer kernel serves."""
+    x, w = randn(40, 64, seed=0), randn(32, 64, seed=1)
+    assert tm._tma_ready(x, w)
+    assert not tm._tma_ready(x.t().contiguous().t(), w)  # columns contiguous
+    assert not tm._tma_ready(randn(40, 65, seed=2)[:, :64], w)  # a row stride of 65 elements
+    assert not tm._tma_ready(x, randn(33, 64, seed=3))  # an output row of 33 elements
+    assert not tm._tma_ready(randn(2561, seed=4)[1:].view(40, 64), w)  # a base 4 bytes past alignment
+
+
+def test_matmul_inside_a_backward_is_torchs_product():
+    """Activation checkpointing recomputes a layer in backward, where only gradients read the values: there the op is
+    cuBLAS's ``x @ w.T`` (torch's bits), outside a backward the kernel's."""
+    x, w = randn(37, 16, seed=1), randn(24, 16, seed=2)
+    inside = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            inside.append(tm.matmul(x, w))
+            return grad
+
+    Probe.apply(torch.zeros(3, device=DEVICE, requires_grad=True)).sum().backward()
+    assert torch.equal(inside[0], torch.mm(x, w.t()))
+    assert torch.equal(tm.matmul(x, w), tm._matmul(x, w))
+
+
+@pytest.mark.parametrize("which", ["small", "large"])
+def test_a_call_takes_the_small_or_large_tile_only_where_it_gives_the_same_bits(monkeypatch, which):
+    """A call of at most SMALL_M rows takes SMALL, of at least LARGE_M rows LARGE (TMA), each where this device's
+    check found its bits equal to the reference tile's, the reference otherwise; either way a row's bits are those
+    it gets in a call of the reference's size."""
+    dtype = DTYPES[-1]
+    tile = (tm.Tile("pointer", 32, 32, tm.REFERENCE[dtype].block_k, 4, 3) if which == "small"
+            else tm.LARGE.get(dtype, TMA_F32))
+    monkeypatch.setitem(tm.SMALL if which == "small" else tm.LARGE, dtype, tile)
+    monkeypatch.setattr(tm, "SMALL_M", 8)
+    monkeypatch.setattr(tm, "LARGE_M", 64)
+    monkeypatch.setattr(tm, "_AGREES", {})
+    used, launch = [], tm.launch
+    monkeypatch.setattr(tm, "launch", lambda x, w, out, t: used.append((len(x), t)) or launch(x, w, out, t))
+    x, w = randn(80, 160, seed=3, dtype=dtype), randn(48, 160, seed=4, dtype=dtype)
+    middle = tm.matmul(x[:30], w)  # neither small nor large: the reference
+    assert used[-1] == (30, tm.REFERENCE[dtype])
+    rows = 5 if which == "small" else 80
+    got = tm.matmul(x[:rows], w)
+    agrees = tm._agrees(x.device, dtype, tile)
+    assert used[-1] == (rows, tile if agrees else tm.REFERENCE[dtype])
+    assert torch.equal(got[:5], middle[:5])
+    key = next(iter(tm._AGREES))
+    for forced in (False, True):
+        tm._AGREES[key] = forced
+        tm.matmul(x[:rows], w)
+        assert used[-1] == (rows, tile if forced else tm.REFERENCE[dtype])
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tiles on a GPU (MT_ENV_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("n, k", [(1152, 896), (896, 4864), (4864, 896), (128, 896)])
+def test_matmul_rows_keep_their_bits_across_the_tiles_at_real_shapes(n, k):
+    """The 0.5B's qkv, down, gate and k weights in bf16: 3 rows alone (the small tile), among SMALL_M, among 300 (the
+    reference) and among LARGE_M + 1000 (the TMA tile) give the same bits, and on this GPU each tile is in use."""
+    x = randn(tm.LARGE_M + 1000, k, seed=5, dtype=torch.bfloat16)
+    w = randn(n, k, seed=6, dtype=torch.bfloat16) * k ** -0.5
+    alone = tm.matmul(x[:3], w)
+    for m in (tm.SMALL_M, tm.SMALL_M + 1, 300, tm.LARGE_M - 1, tm.LARGE_M, len(x)):
+        assert torch.equal(tm.matmul(x[:m], w)[:3], alone), m
+    assert tm.tile_for(x[:3], w) == tm.SMALL[torch.bfloat16]
+    assert tm.tile_for(x, w) == tm.LARGE[torch.bfloat16]
+
+
+def test_matmul_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="one dtype"):
+        tm.matmul(randn(4, 16, seed=0), randn(8, 16, seed=1, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\[M, K\]"):
+        tm.matmul(randn(4, 16, seed=0), randn(8, 15, seed=1))
+    assert tm.matmul(randn(0, 16, seed=0), randn(8, 16, seed=1)).shape == (0, 8)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="exact.linear takes the Triton kernel on CUDA only")
+def test_exact_linear_runs_the_kernel_on_cuda():
+    x, w, b = randn(3, 5, 64, seed=0, dtype=torch.bfloat16), randn(40, 64, seed=1, dtype=torch.bfloat16), \
+        randn(40, seed=2, dtype=torch.bfloat16)
+    assert torch.equal(exact.linear(x, w, b), (tm.matmul(x.reshape(15, 64), w) + b).reshape(3, 5, 40))
