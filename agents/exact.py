@@ -124,7 +124,7 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` whose every row is computed in a matmul of `TILE_ROWS` rows (the bias added after); on CUDA
-    `triton_exact.matmul` (one fixed tile configuration)."""
+    `triton_matmul.matmul` (one fixed order over K)."""
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
     padded = -(-m // TILE_ROWS) * TILE_ROWS

@@ -172,8 +172,8 @@ case "${1:-}" in
       tests/test_backend_hf_batching.py tests/test_backend_hf_failures.py tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   exact)  # exact mode (issue 28): the CUDA tests, then engine and trainer-pass throughput with it off and on
-    MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py -q -rfE \
-      -p no:cacheprovider > "$EXP/exact_tests.txt" 2>&1
+    MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py \
+      tests/test_triton_matmul.py tests/test_exact_sampling.py -q -rfE -p no:cacheprovider > "$EXP/exact_tests.txt" 2>&1
     echo "exact tests rc=$? (the whole output: \$EXP/exact_tests.txt)"; grep -E "^(FAILED|ERROR)|passed|failed" \
       "$EXP/exact_tests.txt" | tail -12
     timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b --batch 32 --prompt 128 \
