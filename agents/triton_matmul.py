@@ -10,7 +10,7 @@ the same bits in any tile shape. That is the hardware's property, not the code's
 the reference does:
 
 * ``"pointer"`` tiles: a program per output tile, loads by pointer (any strides). The reference, and `SMALL` for
-  calls of at most `SMALL_M` rows (decode: the reference's tile leaves most of the GPU idle).
+  calls of few rows where the reference's tiles would leave most of the GPU idle (decode).
 * ``"tma"`` tiles: persistent programs (one per SM) that load and store by TMA descriptors, Hopper and later, for
   calls of at least `LARGE_M` rows (prefill, the trainer) whose operands TMA can read (`_tma_ready`).
 
@@ -49,13 +49,17 @@ class Tile(NamedTuple):
 #: the tile whose bits define exact mode's matmul, by input dtype (float32: IEEE products, not TF32)
 REFERENCE = {torch.bfloat16: Tile("pointer", 128, 128, 64, 8, 3), torch.float16: Tile("pointer", 128, 128, 64, 8, 3),
              torch.float32: Tile("pointer", 64, 64, 32, 4, 3)}
-#: the tile of a call of at most `SMALL_M` rows (decode: at 32 rows a 896-wide output is 7 programs of the reference)
-SMALL = {torch.bfloat16: Tile("pointer", 64, 32, 64, 4, 4)}
-SMALL_M = 256
-#: the tile of a call of at least `LARGE_M` rows whose operands TMA reads (`_tma_ready`)
-LARGE = {torch.bfloat16: Tile("tma", 128, 256, 64, 8, 3), torch.float16: Tile("tma", 128, 256, 64, 8, 3)}
-LARGE_M = 2048
-assert all(t.block_k == REFERENCE[dtype].block_k for tiles in (SMALL, LARGE) for dtype, t in tiles.items())
+#: tiles for few rows, (most rows, tile), the first that fits: for calls where the reference would make fewer than
+#: `FULL` tiles (decode: at 32 rows a 896-wide output is 7 reference tiles; the LM head's 1,187 keep the reference)
+SMALL = {torch.bfloat16: ((16, Tile("pointer", 16, 32, 64, 4, 4)), (256, Tile("pointer", 64, 32, 64, 4, 4)))}
+FULL = 64
+#: TMA tiles for calls of at least `LARGE_M` rows that TMA reads (`_tma_ready`), the first that makes at least 1.5
+#: tiles per SM and pads N by at most a quarter; the last serves any shape
+_TMA = (Tile("tma", 128, 256, 64, 8, 3), Tile("tma", 128, 128, 64, 8, 3))
+LARGE = {torch.bfloat16: _TMA, torch.float16: _TMA}
+LARGE_M = 1024
+assert all(t.block_k == REFERENCE[dtype].block_k for dtype, tiles in LARGE.items() for t in tiles)
+assert all(t.block_k == REFERENCE[dtype].block_k for dtype, tiles in SMALL.items() for _, t in tiles)
 
 
 @triton.jit
@@ -178,14 +182,24 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def tile_for(x: torch.Tensor, weight: torch.Tensor) -> Tile:
-    """The tile of ``x @ weight.T``: `SMALL` for at most `SMALL_M` rows, `LARGE` for at least `LARGE_M` rows that
-    TMA can read, each where it gives the reference's bits on this device; else `REFERENCE`."""
-    M, dtype = x.shape[0], x.dtype
-    if M <= SMALL_M and dtype in SMALL and _agrees(x.device, dtype, SMALL[dtype]):
-        return SMALL[dtype]
-    if M >= LARGE_M and dtype in LARGE and _tma_ready(x, weight) and _agrees(x.device, dtype, LARGE[dtype]):
-        return LARGE[dtype]
+    """The tile of ``x @ weight.T`` (`SMALL` or `LARGE` by the call's shape, each where it gives the reference's bits
+    on this device; else `REFERENCE`). Why these: docs/exact.md, "The matmul's tiles, chosen by shape"."""
+    M, N, dtype = x.shape[0], weight.shape[0], x.dtype
+    if M >= LARGE_M and dtype in LARGE and _tma_ready(x, weight):
+        for tile in LARGE[dtype]:
+            last = tile == LARGE[dtype][-1]
+            fills = _tiles(tile, M, N) >= 1.5 * _processors(x.device) and -N % tile.block_n <= N / 4
+            if (last or fills) and _agrees(x.device, dtype, tile):
+                return tile
+    if dtype in SMALL and _tiles(REFERENCE[dtype], M, N) < FULL:
+        tile = next((tile for rows, tile in SMALL[dtype] if M <= rows), None)
+        if tile is not None and _agrees(x.device, dtype, tile):
+            return tile
     return REFERENCE[dtype]
+
+
+def _tiles(tile: Tile, M: int, N: int) -> int:
+    return triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile) -> torch.Tensor:
@@ -194,7 +208,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile)
     consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                   IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                   num_warps=tile.warps, num_stages=tile.stages)
-    tiles = triton.cdiv(N, tile.block_n) * triton.cdiv(M, tile.block_m)
+    tiles = _tiles(tile, M, N)
     if tile.kernel == "pointer":
         _pointer_kernel[(tiles,)](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
                                   weight.stride(1), out.stride(0), **consts)

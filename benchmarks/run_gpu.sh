@@ -8,8 +8,9 @@
 #   bash benchmarks/run_gpu.sh update    # 1 GPU: the update vs raw fwd+bwd+AdamW -> h200/update
 #   bash benchmarks/run_gpu.sh tests     # 1 GPU: the CUDA tests (engine, Triton attention, HF backend, trainer math)
 #                                        #   -> h200/cuda_tests.txt
-#   bash benchmarks/run_gpu.sh exact     # 1 GPU: exact mode's tests on CUDA (Triton kernels, engine = trainer bit for
-#                                        #   bit), then its cost, on/off -> h200/exact
+#   bash benchmarks/run_gpu.sh exact_tests  # 1 GPU: exact mode's tests on CUDA (Triton kernels, engine = trainer bit
+#                                        #   for bit; printed, the output in $EXP/exact_tests.txt)
+#   bash benchmarks/run_gpu.sh exact     # 1 GPU: exact mode's cost, on/off -> h200/exact
 #   bash benchmarks/run_gpu.sh lora7b    # 1 GPU: the 7B shape's LoRA recipe, 4 RL steps -> h200/rl_step_7b_lora
 #   bash benchmarks/run_gpu.sh agent     # 1 GPU: agent workloads A, B and GSM8K, prefix cache on/off -> h200/agent
 #   bash benchmarks/run_gpu.sh scaling   # 2 GPUs: DDP check, 1 GPU, 2 GPUs weak/strong, one-step off-policy
@@ -171,11 +172,13 @@ case "${1:-}" in
       tests/test_prefix_cache.py tests/test_triton_attention.py tests/test_backend_hf.py \
       tests/test_backend_hf_batching.py tests/test_backend_hf_failures.py tests/test_algos.py -q \
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
-  exact)  # exact mode (issue 28): the CUDA tests, then engine and trainer-pass throughput with it off and on
-    MT_ENV_TEST_DEVICE=cuda timeout 280 python3 -m pytest tests/test_exact.py tests/test_triton_exact.py \
-      tests/test_triton_matmul.py tests/test_exact_sampling.py -q -rfE -p no:cacheprovider > "$EXP/exact_tests.txt" 2>&1
+  exact_tests)  # exact mode's CUDA tests (issue 28; ~6 min), the matmul's first
+    MT_ENV_TEST_DEVICE=cuda timeout "${EXACT_TESTS_S:-540}" python3 -m pytest tests/test_triton_matmul.py \
+      tests/test_exact.py tests/test_exact_sampling.py tests/test_triton_exact.py -q -rfE -p no:cacheprovider \
+      > "$EXP/exact_tests.txt" 2>&1
     echo "exact tests rc=$? (the whole output: \$EXP/exact_tests.txt)"; grep -E "^(FAILED|ERROR)|passed|failed" \
-      "$EXP/exact_tests.txt" | tail -12
+      "$EXP/exact_tests.txt" | tail -12 ;;
+  exact)  # exact mode (issue 28): engine and trainer-pass throughput with it off and on (the tests: exact_tests)
     timeout 300 python3 benchmarks/bench_exact.py --device cuda --model qwen2.5-0.5b --batch 32 --prompt 128 \
       --new-tokens 32 --repeats 1 --profile 20 2>&1 | grep -v "Warn\|warn" | tail -64
     echo "bench_exact rc=${PIPESTATUS[0]}" ;;
@@ -203,6 +206,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_one_turn|exact_profile|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|exact_tests|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_one_turn|exact_profile|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac

@@ -63,14 +63,15 @@ def test_the_row_kernels_add_in_pairs_whatever_the_layout(name, dtype, block):
     assert all(any(op in body for op in ("max", "min", "arith.addi")) for body in others)  # exact in any order
 
 
-def test_the_matmuls_large_tile_compiles_for_sm90_to_tma_loads_and_wgmma():
-    """The persistent kernel of exact mode's large tile (`agents.triton_matmul.LARGE`) compiles for an H100 without
-    a GPU, its operands loaded by TMA and multiplied by wgmma (what the tile is for), within the SM's shared memory."""
+@pytest.mark.parametrize("which", [0, 1])
+def test_the_matmuls_large_tiles_compile_for_sm90_to_tma_loads_and_wgmma(which):
+    """The persistent kernel of exact mode's large tiles (`agents.triton_matmul.LARGE`) compiles for an H100 without
+    a GPU, its operands loaded by TMA and multiplied by wgmma (what the tiles are for), within the SM's shared memory."""
     import torch
 
     from agents import triton_matmul
 
-    tile = triton_matmul.LARGE[torch.bfloat16]
+    tile = triton_matmul.LARGE[torch.bfloat16][which]
     consts = dict(PROGRAMS=132, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
                   GROUP_M=tile.group_m, IEEE=False, STATIC_K=0, STATIC_TILES=0, INTERPRETED=False)
     signature = dict(x_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_k}]>",

@@ -99,20 +99,20 @@ def test_matmul_inside_a_backward_is_torchs_product():
 
 @pytest.mark.parametrize("which", ["small", "large"])
 def test_a_call_takes_the_small_or_large_tile_only_where_it_gives_the_same_bits(monkeypatch, which):
-    """A call of at most SMALL_M rows takes SMALL, of at least LARGE_M rows LARGE (TMA), each where this device's
-    check found its bits equal to the reference tile's, the reference otherwise; either way a row's bits are those
-    it gets in a call of the reference's size."""
+    """A call of few rows (where the reference makes fewer than FULL tiles) takes a SMALL tile, of at least LARGE_M
+    rows a LARGE (TMA) one, each where this device's check found its bits equal to the reference tile's, the
+    reference otherwise; either way a row's bits are those it gets in a call of the reference's size."""
     dtype = DTYPES[-1]
     tile = (tm.Tile("pointer", 32, 32, tm.REFERENCE[dtype].block_k, 4, 3) if which == "small"
-            else tm.LARGE.get(dtype, TMA_F32))
-    monkeypatch.setitem(tm.SMALL if which == "small" else tm.LARGE, dtype, tile)
-    monkeypatch.setattr(tm, "SMALL_M", 8)
+            else tm.LARGE.get(dtype, (TMA_F32,))[-1])
+    monkeypatch.setitem(tm.SMALL, dtype, ((8, tile),)) if which == "small" else monkeypatch.setitem(tm.LARGE, dtype,
+                                                                                                  (tile,))
     monkeypatch.setattr(tm, "LARGE_M", 64)
     monkeypatch.setattr(tm, "_AGREES", {})
     used, launch = [], tm.launch
     monkeypatch.setattr(tm, "launch", lambda x, w, out, t: used.append((len(x), t)) or launch(x, w, out, t))
     x, w = randn(80, 160, seed=3, dtype=dtype), randn(48, 160, seed=4, dtype=dtype)
-    middle = tm.matmul(x[:30], w)  # neither small nor large: the reference
+    middle = tm.matmul(x[:30], w)  # neither few nor many rows: the reference
     assert used[-1] == (30, tm.REFERENCE[dtype])
     rows = 5 if which == "small" else 80
     got = tm.matmul(x[:rows], w)
@@ -126,18 +126,41 @@ def test_a_call_takes_the_small_or_large_tile_only_where_it_gives_the_same_bits(
         assert used[-1] == (rows, tile if forced else tm.REFERENCE[dtype])
 
 
+def test_the_tile_follows_the_shape(monkeypatch):
+    """Which tile a shape gets, where every tile agrees: few rows a SMALL tile unless the reference already makes FULL
+    tiles (the LM head), many rows the first LARGE tile that makes 1.5 tiles per SM without padding N by more than a
+    quarter, else the last; rows in between the reference."""
+    monkeypatch.setattr(tm, "_agrees", lambda device, dtype, tile: True)
+    monkeypatch.setattr(tm, "_processors", lambda device: 132)
+    monkeypatch.setattr(tm, "_tma_ready", lambda x, w: True)
+    dtype = torch.bfloat16
+    (_, tiny), (_, small) = tm.SMALL[dtype]
+    wide, narrow = tm.LARGE[dtype]
+    ref = tm.REFERENCE[dtype]
+
+    def tile(m, n):
+        return tm.tile_for(torch.empty(m, 8, dtype=dtype), torch.empty(n, 8, dtype=dtype))
+
+    assert [tile(m, 896) for m in (1, 16, 17, 256, 257, 1023)] == [tiny, tiny, small, small, ref, ref]
+    assert [tile(m, 151936) for m in (1, 256)] == [ref, ref]  # the LM head in decode: 1,187 reference tiles
+    assert tile(256, 4864) == ref and tile(128, 4864) == small  # gate: 76 reference tiles at 256 rows, 38 at 128
+    assert [tile(m, 896) for m in (1024, 2048, 8192)] == [narrow, narrow, wide]  # 32, 64, 256 wide tiles
+    assert [tile(m, 128) for m in (1024, 32768)] == [narrow, narrow]  # a 256-wide tile would pad k's 128 by half
+    assert tile(1024, 151936) == wide
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="bf16 tiles on a GPU (MT_ENV_TEST_DEVICE=cuda)")
 @pytest.mark.parametrize("n, k", [(1152, 896), (896, 4864), (4864, 896), (128, 896)])
 def test_matmul_rows_keep_their_bits_across_the_tiles_at_real_shapes(n, k):
-    """The 0.5B's qkv, down, gate and k weights in bf16: 3 rows alone (the small tile), among SMALL_M, among 300 (the
-    reference) and among LARGE_M + 1000 (the TMA tile) give the same bits, and on this GPU each tile is in use."""
-    x = randn(tm.LARGE_M + 1000, k, seed=5, dtype=torch.bfloat16)
+    """The 0.5B's qkv, down, gate and k weights in bf16: 3 rows alone (a small tile), among 17, 256 and 300 and
+    among 1,024 and 8,192 (the TMA tiles) give the same bits, and on this GPU each tile agrees with the reference."""
+    x = randn(8192, k, seed=5, dtype=torch.bfloat16)
     w = randn(n, k, seed=6, dtype=torch.bfloat16) * k ** -0.5
     alone = tm.matmul(x[:3], w)
-    for m in (tm.SMALL_M, tm.SMALL_M + 1, 300, tm.LARGE_M - 1, tm.LARGE_M, len(x)):
+    for m in (17, 256, 300, tm.LARGE_M - 1, tm.LARGE_M, len(x)):
         assert torch.equal(tm.matmul(x[:m], w)[:3], alone), m
-    assert tm.tile_for(x[:3], w) == tm.SMALL[torch.bfloat16]
-    assert tm.tile_for(x, w) == tm.LARGE[torch.bfloat16]
+    tiles = [t for _, t in tm.SMALL[torch.bfloat16]] + list(tm.LARGE[torch.bfloat16])
+    assert all(tm._agrees(x.device, torch.bfloat16, t) for t in tiles)
 
 
 def test_matmul_refuses_what_it_cannot_do():
