@@ -22,6 +22,7 @@ Under Triton's interpreter (``TRITON_INTERPRET=1``) loop bounds are constants (`
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from typing import NamedTuple
@@ -228,7 +229,7 @@ def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
     interpreter, which counts strides in elements), rows contiguous, row strides (the output's: N) and base
     addresses 16-byte aligned."""
     if x.device.type == "cuda":
-        if torch.cuda.get_device_capability(x.device)[0] < 9:
+        if _cuda_facts(x.device.index)[0] < 9:
             return False
     elif not _INTERPRETED:
         return False
@@ -238,16 +239,16 @@ def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
-_PROCESSORS: dict[int | None, int] = {}
-
-
 def _processors(device: torch.device) -> int:
     """The persistent kernel's programs: one per SM (4 under the interpreter)."""
-    if device.type != "cuda":
-        return 4
-    if device.index not in _PROCESSORS:
-        _PROCESSORS[device.index] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _PROCESSORS[device.index]
+    return _cuda_facts(device.index)[1] if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_facts(index: int | None) -> tuple[int, int]:
+    """(compute capability's major, SM count) of CUDA device `index`, read once (a call's choice reads them)."""
+    properties = torch.cuda.get_device_properties(index)
+    return properties.major, properties.multi_processor_count
 
 
 _AGREES: dict[tuple[str, int | None, torch.dtype, Tile], bool] = {}

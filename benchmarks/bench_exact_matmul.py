@@ -4,8 +4,9 @@
 A tile may serve a call only where it gives the reference tile's bits (the order over K is BLOCK_K's in every tile;
 whether the MMA instructions of two tile shapes round alike is the GPU's matter), so for each candidate this script
 checks its bits against the reference's at two row counts and that a row's bits are the same alone, among 32 and among
-many; then times it at the row counts of its group (each call in a CUDA graph, microseconds). The reference under the
-old program order (down M only, ``group_m`` 65536) is timed beside today's grouped order.
+many; then times it at the row counts of its group (each call in a CUDA graph, microseconds), and a call's host cost
+outside a graph (`_host_us`, at the group's fewest rows). The reference under the old program order (down M only,
+``group_m`` 65536) is timed beside today's grouped order.
 
 An experiment: what it decides goes to docs/exact.md, with the command.
 
@@ -51,6 +52,20 @@ def _bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000.0  # microseconds
 
 
+def _host_us(fn, calls: int = 200) -> float:
+    """Microseconds per call of `calls` calls in a row, unsynchronised but the last: a call's host cost (the Python
+    path and the launch) where it exceeds the kernel's time, as it does for small problems."""
+    import time
+
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def _run(x: torch.Tensor, w: torch.Tensor, tile: Tile) -> torch.Tensor:
     return tm.launch(x, w, torch.empty(len(x), len(w), dtype=x.dtype, device=x.device), tile)
 
@@ -78,6 +93,7 @@ def weight(name: str, gen: torch.Generator, groups: list[str], timed: bool) -> d
             try:
                 row = dict(group=group, tile=tile._asdict(), **_bits(xs[2048], w, tile))
                 row["us"] = {m: _bench(lambda: _run(xs[m], w, tile)) for m in rows[group]} if timed else {}
+                row["host_us"] = _host_us(lambda: _run(xs[rows[group][0]], w, tile)) if timed else None
             except Exception as exc:  # a tile this GPU cannot run (shared memory): recorded, not fatal
                 out["tiles"].append(dict(group=group, tile=tile._asdict(), error=f"{type(exc).__name__}: {exc}"[:300]))
                 print(f"  {tuple(tile)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
@@ -86,7 +102,8 @@ def weight(name: str, gen: torch.Generator, groups: list[str], timed: bool) -> d
             out["tiles"].append(row)
             print(f"  {tuple(tile)}: " + " ".join(f"M={m}: {us:.1f} ({row['vs_cublas'][m]:.2f}x)"
                                                   for m, us in row["us"].items())
-                  + f"  reference bits: {row['reference_bits']}, rows invariant: {row['rows_invariant']}", flush=True)
+                  + f"  reference bits: {row['reference_bits']}, rows invariant: {row['rows_invariant']}"
+                  + (f", host {row['host_us']:.1f} us a call" if timed else ""), flush=True)
     return out
 
 
