@@ -356,21 +356,30 @@ class Sequences:
 
 def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     """The sequences of a batch whose real tokens (`real` [B, T] bool) have `position_ids` [B, T] counting from 0
-    within each sequence (a sequence starts at each real token of position 0); ValueError when they do not."""
+    within each sequence (a sequence starts at each real token of position 0); ValueError when they do not. One host
+    sync (the counts that size the layout), where each data-dependent size would cost one."""
     pos, real = position_ids.reshape(-1), real.reshape(-1).bool()
+    flat = torch.arange(len(pos), device=pos.device)
     starts = real & (pos == 0)
-    if not bool(starts.any()):
+    seq = torch.cumsum(starts.long(), 0) - 1  # -1: a token before the first start
+    run = torch.where(real & (seq >= 0), seq, len(pos))  # a real token's sequence; others count in a bin past the end
+    counts = torch.zeros(len(pos) + 1, dtype=torch.long, device=pos.device).scatter_add_(0, run, torch.ones_like(run))
+    first = torch.cummax(torch.where(starts, flat, 0), 0).values  # where the token's sequence starts
+    # a sequence's real tokens have positions 0, 1, ... in a run from its start: each is its offset from the start,
+    # below the sequence's count (so the offsets are 0..count-1, each once)
+    ok = ~real | ((seq >= 0) & (pos == flat - first) & (pos < counts[seq.clamp(min=0)]))
+    summary = torch.stack([starts.sum(), counts[:-1].max() if len(pos) else starts.sum(), real.sum(), ok.all().long()])
+    S, L, R, valid = summary.tolist()
+    if S == 0:
         raise ValueError("exact attention: no sequence starts at position 0")
-    seq = torch.cumsum(starts.long(), 0) - 1
-    lengths = torch.bincount(seq[real], minlength=int(starts.sum()))
-    offsets = torch.arange(int(lengths.max()), device=pos.device)
-    valid = offsets[None, :] < lengths[:, None]
-    index = (starts.nonzero().squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
-    if not (torch.equal(pos[index[valid]], offsets.expand_as(index)[valid]) and bool(real[index[valid]].all())):
+    if not valid:
         raise ValueError("exact attention needs each sequence's real tokens in a run with positions 0, 1, 2, ...")
+    lengths = counts[:S]
+    offsets = torch.arange(L, device=pos.device)
+    index = (torch.nonzero_static(starts, size=S).squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
     cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
     return Sequences(index, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real,
-                     real.nonzero().squeeze(1), cu_seqlens)
+                     torch.nonzero_static(real, size=R).squeeze(1), cu_seqlens)
 
 
 def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Sequences,

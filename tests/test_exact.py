@@ -410,3 +410,25 @@ def test_every_step_of_an_exact_run_has_no_mismatch(tmp_path, layout):
             assert all(r["mismatch/logprob_abs_max"] == 0.0 and r["mismatch/exact_violations"] == 0 for r in steps)
         else:
             assert "mismatch/exact_violations" not in steps[0] and steps[0]["mismatch/logprob_abs_max"] > 0
+
+
+@pytest.mark.parametrize("positions, real, problem", [
+    ([[0, 1, 3, 0]], [[1, 1, 1, 1]], "a run"),  # a position skipped
+    ([[0, 1, 2, 0]], [[1, 0, 1, 1]], "a run"),  # padding inside a sequence
+    ([[1, 2, 0, 1]], [[1, 1, 1, 1]], "a run"),  # real tokens before the first start
+    ([[0, 1, 1, 2]], [[1, 1, 1, 1]], "a run"),  # a position repeated
+    ([[1, 2, 3, 4]], [[1, 1, 1, 1]], "no sequence starts"),
+    ([[0, 0, 0, 0]], [[0, 0, 0, 0]], "no sequence starts"),
+])
+def test_the_layout_refuses_positions_that_are_not_runs_from_zero(positions, real, problem):
+    with pytest.raises(ValueError, match=problem):
+        exact.sequences(torch.tensor(positions), torch.tensor(real).bool())
+
+
+def test_the_layout_of_a_padded_batch_and_of_rows_that_continue_a_sequence():
+    """Left padding, a sequence per row; and a sequence run on from one row into the next (flat order)."""
+    layout = exact.sequences(torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
+    assert layout.lengths.tolist() == [3, 4] and layout.index.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7]]
+    assert layout.rows.tolist() == [1, 2, 3, 4, 5, 6, 7] and layout.cu_seqlens.tolist() == [0, 3, 7]
+    layout = exact.sequences(torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2).bool())
+    assert layout.lengths.tolist() == [3, 1] and layout.seq.tolist() == [0, 0, 0, 1]
