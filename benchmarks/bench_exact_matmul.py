@@ -38,8 +38,8 @@ ROWS = {"small": [1, 2, 16, 64, 256], "large": [1024, 2048, 8192, 32768]}
 MAX_LM_HEAD_ROWS = 8192
 _REF = tm.REFERENCE[torch.bfloat16]
 CANDIDATES = {
-    "small": [_REF, Tile("pointer", 64, 32, 64, 4, 4), Tile("pointer", 16, 32, 64, 4, 4), Tile("pointer", 16, 64, 64, 4, 4),
-              Tile("pointer", 32, 32, 64, 4, 4), Tile("pointer", 16, 16, 64, 4, 4)],
+    "small": [_REF, Tile("pointer", 64, 32, 64, 4, 4), Tile("pointer", 16, 32, 64, 4, 4),
+              Tile("pointer", 16, 64, 64, 4, 4), Tile("pointer", 32, 32, 64, 4, 4), Tile("pointer", 16, 16, 64, 4, 4)],
     "large": [_REF, _REF._replace(group_m=65536), Tile("pointer", 128, 256, 64, 8, 3), Tile("tma", 128, 128, 64, 8, 3),
               Tile("tma", 128, 256, 64, 8, 3), Tile("tma", 128, 256, 64, 8, 4), Tile("tma", 256, 128, 64, 8, 3),
               Tile("tma", 128, 256, 64, 8, 3, group_m=1)],
