@@ -32,8 +32,8 @@
 #                                        #   episodes (rollout.max_turns=1: a tool call's second turn, drawn by chance
 #                                        #   with a random model, is not in one run only), 5 steps each
 #                                        #   -> $EXP/rl_step_one_turn_exact_{true,false}.json
-#   bash benchmarks/run_gpu.sh exact_profile  # 1 GPU: step_profile in exact mode (exact_step's settings), steps 1-3,
-#                                        #   step 4 profiled: each phase's costliest kernels -> the report printed
+#   bash benchmarks/run_gpu.sh exact_profile  # 1 GPU: exact on and off, single-turn episodes, step 4 of 5 profiled:
+#                                        #   each phase's costliest kernels -> $EXP/profile_exact_{true,false}.txt
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
 #                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
 #   bash benchmarks/run_gpu.sh exact_sampler  # 1 GPU: exact mode's sampled logprobs recomputed from the trainer's
@@ -110,10 +110,15 @@ case "${1:-}" in
         --out "$EXP/rl_step_one_turn_exact_$on.json" 2>&1 | grep "^steady\|^rollout's\|^logprob\|^step "
       echo "bench_rl_step one turn, exact $on: rc=${PIPESTATUS[0]}"
     done ;;
-  exact_profile)  # an experiment: step_profile's report in exact mode, one step shorter (the kernels of each phase)
-    MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=false \
-      --set rollout.exact_logprobs=true --steps 4 --profile-step 4 2>&1 | grep -v "Warn\|warn" | tail -80
-    echo "bench_rl_step exact profile rc=${PIPESTATUS[0]}" ;;
+  exact_profile)  # an experiment: exact on and off on single-turn episodes (equal work), step 4 of 5 profiled in each
+    # (the kernels of each phase, where the device waited) -> $EXP/profile_exact_{true,false}.txt, the update's printed
+    for on in true false; do
+      MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=$([ $on = true ] && echo \
+        false || echo true) --set rollout.exact_logprobs=$on --set rollout.max_turns=1 --steps 5 --profile-step 4 \
+        > "$EXP/profile_exact_$on.txt" 2>&1
+      echo "bench_rl_step exact $on profile rc=$? (the report: \$EXP/profile_exact_$on.txt)"
+      grep -A5 "^phases" "$EXP/profile_exact_$on.txt"; grep -A8 "kernels launched in .*update" "$EXP/profile_exact_$on.txt"
+    done ;;
   step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
     # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
     rl_step --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
