@@ -259,6 +259,8 @@ def _agrees(device: torch.device, dtype: torch.dtype, tile: Tile) -> bool:
     """Whether `tile` gives the reference tile's bits on this device, checked once: a product of random values under
     both tiles. Where it does not (or cannot run here), the reference serves; a failure to run warns."""
     key = (device.type, device.index, dtype, tile)
+    if key not in _AGREES and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False  # (no check inside a CUDA graph's capture: this call takes the reference, a later one checks)
     if key not in _AGREES:
         (m, k, n), gen = _PROBE, torch.Generator(device=device).manual_seed(0)
         x = torch.randn(m, k, generator=gen, device=device).to(dtype)
