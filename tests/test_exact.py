@@ -432,3 +432,38 @@ def test_the_layout_of_a_padded_batch_and_of_rows_that_continue_a_sequence():
     assert layout.rows.tolist() == [1, 2, 3, 4, 5, 6, 7] and layout.cu_seqlens.tolist() == [0, 3, 7]
     layout = exact.sequences(torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2).bool())
     assert layout.lengths.tolist() == [3, 1] and layout.seq.tolist() == [0, 0, 0, 1]
+
+
+def _runs_from_zero(positions: list[int], real: list[bool]) -> list[int] | None:
+    """The lengths of the sequences of a flat batch, by a scan: a real token of position 0 starts one, the next
+    real token continues it only with the next position; None where a real token does neither."""
+    lengths, expect = [], None
+    for p, r in zip(positions, real):
+        if not r:
+            expect = None
+        elif p == 0:
+            lengths, expect = lengths + [1], 1
+        elif p == expect:
+            lengths[-1], expect = lengths[-1] + 1, expect + 1
+        else:
+            return None
+    return lengths or None
+
+
+@settings(max_examples=200, deadline=None)
+@given(cells=st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=24), rows=st.integers(1, 3))
+def test_the_layout_accepts_exactly_the_runs_from_zero(cells, rows):
+    """Any positions and padding, in `rows` rows: `exact.sequences` refuses (ValueError) exactly what the scan does,
+    and otherwise its lengths and boundaries are the scan's."""
+    width = -(-len(cells) // rows)
+    cells = cells + [(0, False)] * (rows * width - len(cells))
+    positions, real = torch.tensor([p for p, _ in cells]), torch.tensor([r for _, r in cells])
+    expected = _runs_from_zero(positions.tolist(), real.tolist())
+    if expected is None:
+        with pytest.raises(ValueError):
+            exact.sequences(positions.view(rows, width), real.view(rows, width))
+        return
+    layout = exact.sequences(positions.view(rows, width), real.view(rows, width))
+    assert layout.lengths.tolist() == expected
+    assert layout.cu_seqlens.tolist() == [sum(expected[:i]) for i in range(len(expected) + 1)]
+    assert layout.rows.tolist() == torch.nonzero(real).squeeze(1).tolist()
