@@ -359,6 +359,8 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     within each sequence (a sequence starts at each real token of position 0); ValueError when they do not. One host
     sync (the counts that size the layout), where each data-dependent size would cost one."""
     pos, real = position_ids.reshape(-1), real.reshape(-1).bool()
+    if not len(pos):
+        raise ValueError("exact attention: no sequence starts at position 0")
     flat = torch.arange(len(pos), device=pos.device)
     starts = real & (pos == 0)
     seq = torch.cumsum(starts.long(), 0) - 1  # -1: a token before the first start
@@ -368,7 +370,7 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     # a sequence's real tokens have positions 0, 1, ... in a run from its start: each is its offset from the start,
     # below the sequence's count (so the offsets are 0..count-1, each once)
     ok = ~real | ((seq >= 0) & (pos == flat - first) & (pos < counts[seq.clamp(min=0)]))
-    summary = torch.stack([starts.sum(), counts[:-1].max() if len(pos) else starts.sum(), real.sum(), ok.all().long()])
+    summary = torch.stack([starts.sum(), counts[:-1].max(), real.sum(), ok.all().long()])
     S, L, R, valid = summary.tolist()
     if S == 0:
         raise ValueError("exact attention: no sequence starts at position 0")

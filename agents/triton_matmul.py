@@ -187,10 +187,9 @@ def tile_for(x: torch.Tensor, weight: torch.Tensor) -> Tile:
     on this device; else `REFERENCE`). Why these: docs/exact.md, "The matmul's tiles, chosen by shape"."""
     M, N, dtype = x.shape[0], weight.shape[0], x.dtype
     if M >= LARGE_M and dtype in LARGE and _tma_ready(x, weight):
-        for tile in LARGE[dtype]:
-            last = tile == LARGE[dtype][-1]
-            fills = _tiles(tile, M, N) >= 1.5 * _processors(x.device) and -N % tile.block_n <= N / 4
-            if (last or fills) and _agrees(x.device, dtype, tile):
+        *sized, last = LARGE[dtype]
+        for tile in [t for t in sized if _fills(t, M, N, x.device)] + [last]:
+            if _agrees(x.device, dtype, tile):
                 return tile
     if dtype in SMALL and _tiles(REFERENCE[dtype], M, N) < FULL:
         tile = next((tile for rows, tile in SMALL[dtype] if M <= rows), None)
@@ -201,6 +200,11 @@ def tile_for(x: torch.Tensor, weight: torch.Tensor) -> Tile:
 
 def _tiles(tile: Tile, M: int, N: int) -> int:
     return triton.cdiv(M, tile.block_m) * triton.cdiv(N, tile.block_n)
+
+
+def _fills(tile: Tile, M: int, N: int, device: torch.device) -> bool:
+    """Whether `tile` makes at least 1.5 tiles per SM of an [M, N] output and pads N by at most a quarter."""
+    return _tiles(tile, M, N) >= 1.5 * _processors(device) and -N % tile.block_n <= N / 4
 
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile) -> torch.Tensor:

@@ -5,10 +5,8 @@ installed."""
 
 from __future__ import annotations
 
-import os
 import random
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -16,14 +14,9 @@ from hypothesis import strategies as st
 from agents.engine.attention import decode_attention, decode_inputs, prefill_attention, prefill_inputs
 
 from .backend_hf_fixtures import DEVICE
+from .triton_fixtures import DTYPES, require_kernels
 
-triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
-if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the Triton kernel needs CUDA (MT_ENV_TEST_DEVICE=cuda) or TRITON_INTERPRET=1", allow_module_level=True)
-
-
-#: Triton's interpreter reads bfloat16 as raw bits in `tl.dot` (seen with Triton 3.6): bfloat16 is tested on CUDA only
-DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
+require_kernels("the Triton decode attention's kernels")
 
 
 def random_case(rows: int, kv_heads: int, group: int, dim: int, block_size: int, longest: int, dtype, seed: int,

@@ -7,7 +7,6 @@ float32: the interpreter reads bfloat16 wrongly in `tl.dot`)."""
 
 from __future__ import annotations
 
-import os
 from unittest import mock
 
 import pytest
@@ -18,20 +17,12 @@ from hypothesis import strategies as st
 from agents import exact
 
 from .backend_hf_fixtures import DEVICE, packed_positions
+from .triton_fixtures import DTYPES, EXAMPLES, TOLERANCE, randn, require_kernels
 
-triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
-if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the Triton kernels need CUDA (MT_ENV_TEST_DEVICE=cuda) or TRITON_INTERPRET=1", allow_module_level=True)
+require_kernels()
 
 from agents import triton_exact  # noqa: E402  (after the skip: it imports triton)
 
-DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
-EXAMPLES = 30 if DEVICE == "cuda" else 15
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
-
-
-def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
 # --------------------------------------------------------------------------------------------- attention

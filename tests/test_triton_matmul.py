@@ -6,7 +6,6 @@ float32; there the TMA kernel runs too, with a float32 tile made for the test)."
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -16,22 +15,14 @@ from hypothesis import strategies as st
 from agents import exact
 
 from .backend_hf_fixtures import DEVICE
+from .triton_fixtures import DTYPES, EXAMPLES, TOLERANCE, randn, require_kernels
 
-triton = pytest.importorskip("triton", reason="Triton is not installed (it comes with CUDA builds of torch)")
-if DEVICE != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("the Triton kernels need CUDA (MT_ENV_TEST_DEVICE=cuda) or TRITON_INTERPRET=1", allow_module_level=True)
+require_kernels()
 
 from agents import triton_matmul as tm  # noqa: E402  (after the skip: it imports triton)
 
-DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
-EXAMPLES = 30 if DEVICE == "cuda" else 15
-TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 #: a TMA tile for float32 (none ships: float32 has the reference tile only), to run the TMA kernel's logic anywhere
 TMA_F32 = tm.Tile("tma", 32, 32, 32, 4, 2, group_m=2)
-
-
-def randn(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
 @settings(max_examples=EXAMPLES, deadline=None)
