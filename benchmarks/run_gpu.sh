@@ -34,6 +34,8 @@
 #                                        #   -> $EXP/rl_step_one_turn_exact_{true,false}.json
 #   bash benchmarks/run_gpu.sh exact_profile  # 1 GPU: exact on and off, single-turn episodes, step 4 of 5 profiled:
 #                                        #   each phase's costliest kernels -> $EXP/profile_exact_{true,false}.txt
+#   bash benchmarks/run_gpu.sh exact_host  # 1 GPU: the host's cost of exact mode's update on a tiny micro-batch, on and
+#                                        #   off, and of one matmul call by each path; cProfile's costliest functions
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
 #                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
 #   bash benchmarks/run_gpu.sh exact_sampler  # 1 GPU: exact mode's sampled logprobs recomputed from the trainer's
@@ -119,6 +121,9 @@ case "${1:-}" in
       echo "bench_rl_step exact $on profile rc=$? (the report: \$EXP/profile_exact_$on.txt)"
       grep -A5 "^phases" "$EXP/profile_exact_$on.txt"; grep -A8 "kernels launched in .*update" "$EXP/profile_exact_$on.txt"
     done ;;
+  exact_host)  # an experiment: where the exact update's host time goes (docs/exact.md)
+    timeout "${EXACT_HOST_S:-300}" python3 benchmarks/exact_host.py --device cuda --cprofile 45 2>&1 \
+      | grep -v "Warn\|warn" | tail -140; echo "exact_host rc=${PIPESTATUS[0]}" ;;
   step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
     # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
     rl_step --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
@@ -211,6 +216,6 @@ case "${1:-}" in
         "ab_other_p${p}_r$r"; echo "bench_rollout, other, round $r: rc=$?"
       rollout256 . "$p" $((10 * r)) "ab_this_p${p}_r$r"; echo "bench_rollout, this, round $r: rc=$?"
     done ;;
-  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|exact_tests|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_one_turn|exact_profile|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
+  *) echo "usage: bash benchmarks/run_gpu.sh rollout1|step1|update|tests|exact|exact_tests|lora7b|agent|agent_b|scaling|fsdp|exact_step|exact_update|exact_one_turn|exact_profile|exact_host|step_profile|step_vocab|exact_sampler|exact_matmul|sanitize|engine_check|driver256|ab256" >&2
      exit 2 ;;
 esac
