@@ -383,6 +383,25 @@ def test_settings_that_cannot_be_exact_are_refused(model):
         PolicyModel(eager, exact=True)
 
 
+def test_the_trainers_exact_pass_builds_no_attention_mask(model, monkeypatch):
+    """Exact attention takes the sequences' layout: transformers must not build the dense [T, T] mask it would derive
+    from packed position ids (1 GiB at 32k tokens) or from padding; a model called without a layout still gets one."""
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from trainers.modeling import SDPA_VARLEN, _layout_mask
+
+    def no_mask(*args, **kwargs):
+        raise AssertionError("an attention mask was built")
+
+    policy = PolicyModel(model, exact=True)
+    monkeypatch.setitem(AttentionMaskInterface._global_mapping, SDPA_VARLEN, no_mask)
+    turns, _ = generate(model, prompts_of(3), params_of(3, new=4), exact=True)
+    batch = batch_of(prompts_of(3), turns)
+    assert_exact(policy, batch, micros=(3,))
+    with pytest.raises(ValueError, match="no attention mask was built"):
+        model(input_ids=batch.input_ids, attention_mask=_layout_mask(batch.input_ids.device))
+
+
 def test_a_single_turn_sample_trains_exactly_its_sampled_tokens():
     sample = Sample.single_turn([5, 6, 7], [8, 9], [-0.5, -0.25], episode=3)
     assert sample.ids == [5, 6, 7, 8, 9] and sample.loss_mask() == [0, 0, 0, 1, 1] and sample.episode == 3

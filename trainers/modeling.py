@@ -98,6 +98,9 @@ def _registered(attn_implementation: str) -> str:
                 raise ValueError(f"exact logprobs need attention dropout 0, the model has {dropout}")
             return exact.sequence_attention(query, key, value, kwargs[EXACT_KWARG], scaling), None
         if kwargs.get("cu_seq_lens_q") is None or not query.is_cuda:
+            if attention_mask is not None and attention_mask.numel() == 0:
+                raise ValueError("sdpa_varlen: no attention mask was built (`_layout_mask`) and the call carries no "
+                                 "sequence layout")
             return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                           scaling=scaling, **kwargs)
         return _varlen_attention(query, key, value, kwargs["cu_seq_lens_q"], kwargs["max_length_q"], scaling), None
@@ -124,6 +127,14 @@ def _varlen_attention(query, key, value, cu_seqlens: torch.Tensor, max_len: int,
             k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
     out = varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **extra)
     return out[None]
+
+
+def _layout_mask(device: torch.device) -> torch.Tensor:
+    """The `attention_mask` of a forward whose attention takes the sequences' layout instead of a mask (flash
+    attention's boundaries, exact mode's `Sequences`): an empty 4D tensor, which transformers passes on as given.
+    Without it, transformers builds the packed rows' dense [1, 1, T, T] mask from the position ids (1 GiB at 32k
+    tokens, and host syncs) in every forward, for an attention that never reads it."""
+    return torch.empty(1, 1, 0, 0, dtype=torch.bool, device=device)
 
 
 def packed_attention_mask(seq_ids: torch.Tensor, dtype: torch.dtype, implementation: str):
@@ -166,8 +177,8 @@ def _attention_kwargs(model: nn.Module, input_ids, attention_mask, position_ids,
         lengths = torch.bincount(seq_ids[0])
         cu_seqlens = torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         max_len = int(lengths.max())
-        return dict(position_ids=position_ids, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                    max_length_q=max_len, max_length_k=max_len)
+        return dict(attention_mask=_layout_mask(input_ids.device), position_ids=position_ids,
+                    cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_len, max_length_k=max_len)
     return dict(attention_mask=packed_attention_mask(seq_ids, dtype, impl), position_ids=position_ids)
 
 
@@ -233,7 +244,8 @@ def _exact_kwargs(input_ids, attention_mask, position_ids, seq_ids) -> dict:
         position_ids = (real.cumsum(-1) - 1).clamp(min=0)
     real = torch.ones_like(input_ids, dtype=torch.bool) if seq_ids is not None or attention_mask is None \
         else attention_mask.bool()
-    return {"position_ids": position_ids, EXACT_KWARG: exact.sequences(position_ids, real)}
+    return {"attention_mask": _layout_mask(input_ids.device), "position_ids": position_ids,
+            EXACT_KWARG: exact.sequences(position_ids, real)}
 
 
 def _scored(input_ids: torch.Tensor, loss_mask: torch.Tensor):
