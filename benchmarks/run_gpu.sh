@@ -120,6 +120,7 @@ case "${1:-}" in
         > "$EXP/profile_exact_$on.txt" 2>&1
       echo "bench_rl_step exact $on profile rc=$? (the report: \$EXP/profile_exact_$on.txt)"
       grep -A5 "^phases" "$EXP/profile_exact_$on.txt"; grep -A8 "kernels launched in .*update" "$EXP/profile_exact_$on.txt"
+      grep -A6 "the device waited in .*update" "$EXP/profile_exact_$on.txt"
     done ;;
   exact_host)  # an experiment: where the exact update's host time goes (docs/exact.md)
     timeout "${EXACT_HOST_S:-300}" python3 benchmarks/exact_host.py --device cuda --cprofile 45 2>&1 \

@@ -161,8 +161,8 @@ def kernels_within(device: list[dict], launches: dict, windows: list[tuple[float
 def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
     """The trace's device gaps and host syncs. Returns ``busy_us`` (the union of device intervals), ``idle_us``,
     ``gaps`` (count), ``by_launch`` {(frame, op): [us, gaps]}, ``syncs`` {(frame, call): [us, calls]} and
-    ``phases`` {frame: [wall us, device-busy us]} (`phases`) and ``kernels`` {frame: {kernel: [us, calls]}}
-    (`kernels_within`)."""
+    ``phases`` {frame: [wall us, device-busy us]} (`phases`), ``kernels`` {frame: {kernel: [us, calls]}}
+    (`kernels_within`) and ``phase_gaps`` {frame: {(frame, op): [us, gaps]}} (`gaps_within`)."""
     device = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
@@ -194,7 +194,22 @@ def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
     windows = phases(events)
     return dict(busy_us=sum(b - a for a, b in merged), idle_us=idle, gaps=len(late), gap_us=gap_us,
                 by_launch=dict(by_launch), syncs=dict(by_sync), phases=busy_within(merged, windows),
-                kernels=kernels_within(device, launches, windows))
+                kernels=kernels_within(device, launches, windows),
+                phase_gaps=gaps_within(late, stacks, windows))
+
+
+def gaps_within(late: dict, stacks: dict, windows: list[tuple[float, float, str]]) -> dict:
+    """{phase frame: {(frame, op): [us, gaps]}}: each gap of `late` whose late launch happened in a window of
+    `windows`, charged to that phase and to the launching code (as ``by_launch``)."""
+    starts = [w[0] for w in windows]
+    out: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
+    for n, (us, launch) in late.items():
+        i = bisect.bisect_right(starts, launch["ts"]) - 1 if launch is not None else -1
+        if i >= 0 and launch["ts"] < windows[i][1]:
+            entry = out[windows[i][2]][label(stacks[n])]
+            entry[0] += us
+            entry[1] += 1
+    return {frame: dict(labels) for frame, labels in out.items()}
 
 
 def report(result: dict, top: int = 15) -> str:
@@ -211,6 +226,11 @@ def report(result: dict, top: int = 15) -> str:
         lines.append(f"kernels launched in {frame}: {total / 1e3:.1f} ms in {sum(n for _, n in names.values())} calls")
         lines += [f"  {us / 1e3:9.2f} ms {100 * us / max(total, 1e-9):3.0f}% {n:7d} x {name[:90]}"
                   for name, (us, n) in sorted(names.items(), key=lambda kv: -kv[1][0])[:top]]
+        waits = result.get("phase_gaps", {}).get(frame, {})
+        lines.append(f"the device waited in {frame}: {sum(us for us, _ in waits.values()) / 1e3:.1f} ms in "
+                     f"{sum(n for _, n in waits.values())} gaps, by the code that launched the kernel after the gap:")
+        lines += [f"  {us / 1e3:9.2f} ms in {n:5d} gaps  {where}  [{op}]"
+                  for (where, op), (us, n) in sorted(waits.items(), key=lambda kv: -kv[1][0])[:top // 2]]
     lines.append(head)
     for (frame, op), (us, n) in sorted(result["by_launch"].items(), key=lambda kv: -kv[1][0])[:top]:
         lines.append(f"  {us / 1e3:8.2f} ms in {n:5d} gaps  {frame}  [{op}]")

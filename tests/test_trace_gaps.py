@@ -50,8 +50,25 @@ def test_gaps_are_charged_to_the_code_that_launched_the_next_kernel(tmp_path):
     assert result["syncs"] == {("agents/logprobs.py(3): chunked", "cudaStreamSynchronize"): [150.0, 1]}
     assert result["phases"] == {"trainers/ppo.py(10): update": [1000.0, 290.0]}
     assert result["kernels"] == {"trainers/ppo.py(10): update": {"gemm": [260.0, 2], "add": [20.0, 2]}}
+    assert result["phase_gaps"] == {"trainers/ppo.py(10): update": result["by_launch"]}  # every launch in the update
     text = trace_gaps.report(result)
     assert "aten::mm" in text and "cudaStreamSynchronize" in text and "2 x gemm" in text
+    assert "the device waited in trainers/ppo.py(10): update: 0.3 ms in 3 gaps" in text
+
+
+def test_a_gap_is_charged_to_the_phase_whose_launch_ended_it():
+    events = [X("python_function", "agents/rollout.py(1): collect", 0, 100),
+              X("python_function", "trainers/ppo.py(2): update", 200, 100),
+              X("cuda_runtime", "cudaLaunchKernel", 90, 5, correlation=1),
+              X("cuda_runtime", "cudaLaunchKernel", 250, 5, correlation=2),
+              X("cuda_runtime", "cudaLaunchKernel", 150, 5, correlation=3),  # between the phases: in neither
+              X("kernel", "a", 0, 10, tid=9, correlation=9),
+              X("kernel", "b", 100, 10, tid=9, correlation=1),   # 90 us gap, launched in collect
+              X("kernel", "c", 160, 10, tid=9, correlation=3),   # 50 us gap, launched in no phase
+              X("kernel", "d", 260, 10, tid=9, correlation=2)]   # 90 us gap, launched in update
+    assert trace_gaps.analyse(events)["phase_gaps"] == {
+        "agents/rollout.py(1): collect": {("agents/rollout.py(1): collect", "?"): [90.0, 1]},
+        "trainers/ppo.py(2): update": {("trainers/ppo.py(2): update", "?"): [90.0, 1]}}
 
 
 def test_a_kernel_is_charged_to_the_phase_that_launched_it_not_the_one_it_ran_in():
