@@ -114,17 +114,19 @@ def _tma_tile(x_desc, w_desc, out_desc, program, tiles_m, tiles_n, K, BLOCK_M: t
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tma_kernel(x_desc, w_desc, out_desc, M, N, K, PROGRAMS: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
-                STATIC_K: tl.constexpr, STATIC_TILES: tl.constexpr, INTERPRETED: tl.constexpr):
+def _tma_kernel(x_desc, w_desc, out_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, STATIC_K: tl.constexpr,
+                STATIC_TILES: tl.constexpr, STATIC_PROGRAMS: tl.constexpr, INTERPRETED: tl.constexpr):
+    # the programs step by their count, read at run time: as a constant it would follow M wherever a call makes
+    # fewer tiles than there are SMs, and each new value would compile the kernel again (a second or so, mid-step)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     if INTERPRETED:  # (constant loop bounds; the same tiles)
-        for first in range(0, STATIC_TILES, PROGRAMS):
+        for first in range(0, STATIC_TILES, STATIC_PROGRAMS):
             if first + tl.program_id(0) < tiles_m * tiles_n:
                 _tma_tile(x_desc, w_desc, out_desc, first + tl.program_id(0), tiles_m, tiles_n, STATIC_K, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, IEEE)
     else:
-        for program in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS):
+        for program in tl.range(tl.program_id(0), tiles_m * tiles_n, tl.num_programs(0)):
             _tma_tile(x_desc, w_desc, out_desc, program, tiles_m, tiles_n, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                       IEEE)
 
@@ -224,7 +226,8 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile)
     _tma_kernel[(programs,)](TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
                              TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]),
                              TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n]), M, N, K,
-                             PROGRAMS=programs, STATIC_TILES=tiles if _INTERPRETED else 0, **consts)
+                             STATIC_TILES=tiles if _INTERPRETED else 0,
+                             STATIC_PROGRAMS=programs if _INTERPRETED else 0, **consts)
     return out
 
 

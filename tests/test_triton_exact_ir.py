@@ -72,8 +72,8 @@ def test_the_matmuls_large_tiles_compile_for_sm90_to_tma_loads_and_wgmma(which):
     from agents import triton_matmul
 
     tile = triton_matmul.LARGE[torch.bfloat16][which]
-    consts = dict(PROGRAMS=132, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
-                  GROUP_M=tile.group_m, IEEE=False, STATIC_K=0, STATIC_TILES=0, INTERPRETED=False)
+    consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                  IEEE=False, STATIC_K=0, STATIC_TILES=0, STATIC_PROGRAMS=0, INTERPRETED=False)
     signature = dict(x_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_k}]>",
                      w_desc=f"tensordesc<bf16[{tile.block_n},{tile.block_k}]>",
                      out_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_n}]>", M="i32", N="i32", K="i32",

@@ -96,8 +96,11 @@ def test_a_call_takes_the_small_or_large_tile_only_where_it_gives_the_same_bits(
     dtype = DTYPES[-1]
     tile = (tm.Tile("pointer", 32, 32, tm.REFERENCE[dtype].block_k, 4, 3) if which == "small"
             else tm.LARGE.get(dtype, (TMA_F32,))[-1])
-    monkeypatch.setitem(tm.SMALL, dtype, ((8, tile),)) if which == "small" else monkeypatch.setitem(tm.LARGE, dtype,
-                                                                                                  (tile,))
+    if which == "small":
+        monkeypatch.setitem(tm.SMALL, dtype, ((8, tile),))
+    else:  # (and no small tile: the call of 30 rows below takes the reference)
+        monkeypatch.setitem(tm.SMALL, dtype, ())
+        monkeypatch.setitem(tm.LARGE, dtype, (tile,))
     monkeypatch.setattr(tm, "LARGE_M", 64)
     monkeypatch.setattr(tm, "_AGREES", {})
     used, launch = [], tm.launch
@@ -115,6 +118,33 @@ def test_a_call_takes_the_small_or_large_tile_only_where_it_gives_the_same_bits(
         tm._AGREES[key] = forced
         tm.matmul(x[:rows], w)
         assert used[-1] == (rows, tile if forced else tm.REFERENCE[dtype])
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(rows=st.lists(st.integers(1, 40_000), min_size=2, max_size=6), which=st.sampled_from([0, 1, 2]))
+def test_a_compiled_kernels_constants_do_not_follow_the_row_count(rows, which):
+    """Each new value of a compile-time constant compiles the kernel again (a second or so, mid-step): under any
+    tile, calls of any row count (the trainer's last micro-batch, a prefill) pass the compiled kernel the same
+    constants; only the grid follows the rows."""
+    tile = (tm.REFERENCE[torch.bfloat16], *tm.LARGE[torch.bfloat16])[which]
+    seen = []
+
+    class Recorder:  # stands in for a kernel: records each launch's grid and constants
+        def __getitem__(self, grid):
+            return lambda *args, **consts: seen.append((grid, consts))
+
+    w = torch.zeros(128, 64, dtype=torch.bfloat16)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tm, "_INTERPRETED", False)  # (the interpreter's constant loop bounds are not compiled)
+        patch.setattr(tm, "_pointer_kernel", Recorder())
+        patch.setattr(tm, "_tma_kernel", Recorder())
+        patch.setattr(tm, "_processors", lambda device: 132)
+        for m in rows:
+            x = torch.zeros(m, 64, dtype=torch.bfloat16)
+            tm.launch(x, w, torch.empty(m, 128, dtype=torch.bfloat16), tile)
+    assert all(consts == seen[0][1] for _, consts in seen), [consts for _, consts in seen]
+    tiles = [-(-m // tile.block_m) * -(-128 // tile.block_n) for m in rows]
+    assert [grid for grid, _ in seen] == [(n if tile.kernel == "pointer" else min(n, 132),) for n in tiles]
 
 
 def test_the_tile_follows_the_shape(monkeypatch):
