@@ -32,8 +32,9 @@
 #                                        #   episodes (rollout.max_turns=1: a tool call's second turn, drawn by chance
 #                                        #   with a random model, is not in one run only), 5 steps each
 #                                        #   -> $EXP/rl_step_one_turn_exact_{true,false}.json
-#   bash benchmarks/run_gpu.sh exact_profile  # 1 GPU: exact on and off, single-turn episodes, step 4 of 5 profiled:
-#                                        #   each phase's costliest kernels -> $EXP/profile_exact_{true,false}.txt
+#   bash benchmarks/run_gpu.sh exact_profile [true|false]  # 1 GPU: exact on and off (or one), single-turn episodes,
+#                                        #   step 4 of 5 profiled: each phase's costliest kernels and waits
+#                                        #   -> $EXP/profile_exact_{true,false}.txt
 #   bash benchmarks/run_gpu.sh exact_host  # 1 GPU: the host's cost of exact mode's update on a tiny micro-batch, on and
 #                                        #   off, and of one matmul call by each path; cProfile's costliest functions
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
@@ -113,8 +114,9 @@ case "${1:-}" in
       echo "bench_rl_step one turn, exact $on: rc=${PIPESTATUS[0]}"
     done ;;
   exact_profile)  # an experiment: exact on and off on single-turn episodes (equal work), step 4 of 5 profiled in each
-    # (the kernels of each phase, where the device waited) -> $EXP/profile_exact_{true,false}.txt, the update's printed
-    for on in true false; do
+    # (the kernels of each phase, where the device waited) -> $EXP/profile_exact_{true,false}.txt, the update's printed;
+    # `exact_profile true` or `exact_profile false`: one mode (at de08c82 one run with its trace outlasted 200 s)
+    for on in ${2:-true false}; do
       MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=$([ $on = true ] && echo \
         false || echo true) --set rollout.exact_logprobs=$on --set rollout.max_turns=1 --steps 5 --profile-step 4 \
         > "$EXP/profile_exact_$on.txt" 2>&1
