@@ -121,15 +121,20 @@ def update_run(lm, batch, args, exact: bool) -> float:
     for _ in range(args.repeats + 1):
         start = time.perf_counter()
         for r in chunks:
-            mb = batch[r]
-            logprobs, entropy = forward(policy, mb, cfg, with_entropy=True)
-            (((logprobs + 1e-3 * entropy) * mb.loss_mask).sum() / trained).backward()
+            update_step(policy, batch[r], cfg, trained)
         if batch.input_ids.is_cuda:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - start)
         lm.zero_grad(set_to_none=True)
     policy.eval()
     return best
+
+
+def update_step(policy, mb: TrainBatch, cfg: Config, trained=1) -> None:
+    """One micro-batch of the update without the optimizer: logprobs and entropy with gradients (as the smoke recipe's
+    GRPO loss takes them), backward of their masked sum over `trained` tokens."""
+    logprobs, entropy = forward(policy, mb, cfg, with_entropy=True)
+    (((logprobs + 1e-3 * entropy) * mb.loss_mask).sum() / trained).backward()
 
 
 def profile_exact(lm, prompts, batch, args, top: int) -> None:

@@ -5,8 +5,8 @@ A tile may serve a call only where it gives the reference tile's bits (the order
 whether the MMA instructions of two tile shapes round alike is the GPU's matter), so for each candidate this script
 checks its bits against the reference's at two row counts and that a row's bits are the same alone, among 32 and among
 many; then times it at the row counts of its group (each call in a CUDA graph, microseconds), and a call's host cost
-outside a graph (`_host_us`, at the group's fewest rows). The reference under the old program order (down M only,
-``group_m`` 65536) is timed beside today's grouped order.
+outside a graph (`exact_host.per_call_us`, at the group's fewest rows). The reference under the old program order
+(down M only, ``group_m`` 65536) is timed beside today's grouped order.
 
 An experiment: what it decides goes to docs/exact.md, with the command.
 
@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from agents import triton_matmul as tm  # noqa: E402
 from agents.triton_matmul import Tile  # noqa: E402
+from benchmarks.exact_host import per_call_us  # noqa: E402
 
 #: (N, K) of the 0.5B shape's weights as both sides multiply them (HF's Qwen2: q, k, v, gate, up apart), the tied
 #: LM head
@@ -50,20 +51,6 @@ def _bench(fn) -> float:
     import triton.testing
 
     return triton.testing.do_bench_cudagraph(fn, rep=50) * 1000.0  # microseconds
-
-
-def _host_us(fn, calls: int = 200) -> float:
-    """Microseconds per call of `calls` calls in a row, unsynchronised but the last: a call's host cost (the Python
-    path and the launch) where it exceeds the kernel's time, as it does for small problems."""
-    import time
-
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def _run(x: torch.Tensor, w: torch.Tensor, tile: Tile) -> torch.Tensor:
@@ -93,7 +80,8 @@ def weight(name: str, gen: torch.Generator, groups: list[str], timed: bool) -> d
             try:
                 row = dict(group=group, tile=tile._asdict(), **_bits(xs[2048], w, tile))
                 row["us"] = {m: _bench(lambda: _run(xs[m], w, tile)) for m in rows[group]} if timed else {}
-                row["host_us"] = _host_us(lambda: _run(xs[rows[group][0]], w, tile)) if timed else None
+                row["host_us"] = (per_call_us(lambda: _run(xs[rows[group][0]], w, tile), w.device, 200) if timed
+                                  else None)
             except Exception as exc:  # a tile this GPU cannot run (shared memory): recorded, not fatal
                 out["tiles"].append(dict(group=group, tile=tile._asdict(), error=f"{type(exc).__name__}: {exc}"[:300]))
                 print(f"  {tuple(tile)}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)

@@ -7,7 +7,8 @@ is the host's: Python, the dispatcher, the launches. Measured with exact mode on
    tile), and `triton_matmul.launch` under each kind of tile alone; microseconds a call.
 2. The update's forward and backward (`trainers.ppo.forward` with entropy, a loss of the masked sum, backward) on
    `--sequences` packed sequences of `--tokens` tokens, activation checkpointing on and the decoder layers compiled
-   as the smoke recipe runs them (off: ``trainer.compile``; on: where exact mode compiles them): milliseconds an iteration, and the device kernels each launched (torch.profiler).
+   as the smoke recipe runs them (off: ``trainer.compile``; on: where exact mode compiles them): milliseconds an
+   iteration, and the device kernels each launched (torch.profiler).
 3. ``--cprofile N``: the N Python functions of most own time over `--iters` iterations of each mode (cProfile).
 
     python benchmarks/exact_host.py --device cuda                  # bash benchmarks/run_gpu.sh exact_host
@@ -29,13 +30,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agents import exact  # noqa: E402
-from benchmarks.bench_exact import TINY  # noqa: E402
+from benchmarks.bench_exact import TINY, update_step  # noqa: E402
 from mt_env.batch import collate  # noqa: E402
 from mt_env.sample import Sample  # noqa: E402
 from trainers.config import Config  # noqa: E402
 from trainers.modeling import PolicyModel, build_causal_lm, compile_layers  # noqa: E402
-from trainers.ppo import forward  # noqa: E402
 
 
 def _sync(device: torch.device) -> None:
@@ -84,11 +83,6 @@ def micro_batch(args, vocab: int, device: torch.device):
         half = args.tokens // 2
         samples.append(Sample.single_turn(ids[:half], ids[half:], [0.0] * (args.tokens - half), episode=b))
     return collate(samples, pad_token_id=0).to(device)
-
-
-def update_step(policy, mb, cfg) -> None:
-    logprobs, entropy = forward(policy, mb, cfg, with_entropy=True)
-    ((logprobs + 1e-3 * entropy) * mb.loss_mask).sum().backward()
 
 
 def kernels_launched(fn, device: torch.device) -> int | None:

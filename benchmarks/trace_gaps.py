@@ -149,10 +149,9 @@ def kernels_within(device: list[dict], launches: dict, windows: list[tuple[float
         if k.get("cat") != "kernel":
             continue
         launch = launches.get(k.get("args", {}).get("correlation"))
-        t = launch["ts"] if launch is not None else k["ts"]
-        i = bisect.bisect_right(starts, t) - 1
-        if i >= 0 and t < windows[i][1]:
-            entry = out[windows[i][2]][k["name"]]
+        frame = _window_of(starts, windows, launch["ts"] if launch is not None else k["ts"])
+        if frame is not None:
+            entry = out[frame][k["name"]]
             entry[0] += k.get("dur", 0)
             entry[1] += 1
     return {frame: dict(names) for frame, names in out.items()}
@@ -181,9 +180,11 @@ def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
     points = {n: (launch["ts"], launch.get("tid")) for n, (_, launch) in late.items() if launch is not None}
     points.update({-1 - n: (e["ts"], e.get("tid")) for n, e in enumerate(syncs)})
     stacks = host_stacks(events, points)
+    labels = {n: label(stacks[n]) if launch is not None else ("? (no launch found)", "?")
+              for n, (_, launch) in late.items()}
     by_launch: dict = defaultdict(lambda: [0.0, 0])
-    for n, (us, launch) in late.items():
-        entry = by_launch[label(stacks[n]) if launch is not None else ("? (no launch found)", "?")]
+    for n, (us, _) in late.items():
+        entry = by_launch[labels[n]]
         entry[0] += us
         entry[1] += 1
     by_sync: dict = defaultdict(lambda: [0.0, 0])
@@ -195,21 +196,27 @@ def analyse(events: list[dict], gap_us: float = GAP_US) -> dict:
     return dict(busy_us=sum(b - a for a, b in merged), idle_us=idle, gaps=len(late), gap_us=gap_us,
                 by_launch=dict(by_launch), syncs=dict(by_sync), phases=busy_within(merged, windows),
                 kernels=kernels_within(device, launches, windows),
-                phase_gaps=gaps_within(late, stacks, windows))
+                phase_gaps=gaps_within(late, labels, windows))
 
 
-def gaps_within(late: dict, stacks: dict, windows: list[tuple[float, float, str]]) -> dict:
+def gaps_within(late: dict, labels: dict, windows: list[tuple[float, float, str]]) -> dict:
     """{phase frame: {(frame, op): [us, gaps]}}: each gap of `late` whose late launch happened in a window of
-    `windows`, charged to that phase and to the launching code (as ``by_launch``)."""
+    `windows`, charged to that phase and to the launching code (its label in `labels`, as ``by_launch``'s)."""
     starts = [w[0] for w in windows]
     out: dict = defaultdict(lambda: defaultdict(lambda: [0.0, 0]))
     for n, (us, launch) in late.items():
-        i = bisect.bisect_right(starts, launch["ts"]) - 1 if launch is not None else -1
-        if i >= 0 and launch["ts"] < windows[i][1]:
-            entry = out[windows[i][2]][label(stacks[n])]
+        frame = _window_of(starts, windows, launch["ts"]) if launch is not None else None
+        if frame is not None:
+            entry = out[frame][labels[n]]
             entry[0] += us
             entry[1] += 1
-    return {frame: dict(labels) for frame, labels in out.items()}
+    return {frame: dict(charged) for frame, charged in out.items()}
+
+
+def _window_of(starts: list[float], windows: list[tuple[float, float, str]], t: float) -> str | None:
+    """The frame of the window of `windows` (sorted, disjoint; `starts` their starts) that holds time `t`, or None."""
+    i = bisect.bisect_right(starts, t) - 1
+    return windows[i][2] if i >= 0 and t < windows[i][1] else None
 
 
 def report(result: dict, top: int = 15) -> str:

@@ -66,7 +66,8 @@ def test_the_row_kernels_add_in_pairs_whatever_the_layout(name, dtype, block):
 @pytest.mark.parametrize("which", [0, 1])
 def test_the_matmuls_large_tiles_compile_for_sm90_to_tma_loads_and_wgmma(which):
     """The persistent kernel of exact mode's large tiles (`agents.triton_matmul.LARGE`) compiles for an H100 without
-    a GPU, its operands loaded by TMA and multiplied by wgmma (what the tiles are for), within the SM's shared memory."""
+    a GPU, its operands loaded by TMA and multiplied by wgmma (what the tiles are for), within the SM's shared
+    memory."""
     import torch
 
     from agents import triton_matmul
