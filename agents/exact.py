@@ -451,6 +451,15 @@ def ops(on: bool = True):
     return _ExactOps()
 
 
+def forward_bits_in_recompute():
+    """A context in which activation checkpointing's recompute gives the forward's bits: the matmul runs its exact
+    kernel inside a backward too, where by default it runs cuBLAS (the recompute's values feed only gradients). For
+    a recompute that reuses values its forward saved (`agents.logprobs`: an LM-head chunk's softmax statistics). The
+    torch versions (CPU) give the forward's bits anyway."""
+    kernels = _load_kernels()
+    return kernels.forward_bits_in_backward() if kernels else contextlib.nullcontext()
+
+
 class RecomputeUnderOps:
     """A layer's activation-checkpointing function (transformers' ``_gradient_checkpointing_func``) whose function
     runs under `ops()`, in the forward and in backward's recompute alike. The mode is thread-local and the forward's

@@ -8,7 +8,8 @@ The distribution is ``softmax(lm_head(hidden)[:, :vocab_limit].float() / tempera
 computation on logits a caller already has (the engine's sampler), and `token_logprobs` runs it in chunks of
 `chunk_tokens` hidden states: no ``[tokens, vocab]`` tensor is ever made, and under autograd each chunk is
 recomputed in backward (`torch.utils.checkpoint`) instead of keeping its logits alive between forward and backward
-— memory per chunk, whatever the token count, for one more LM-head matmul in backward.
+— memory per chunk, whatever the token count, for one more LM-head matmul in backward (in exact mode the forward's
+logits again, with the forward's softmax statistics: `_exact_recompute`).
 
 Why not a library kernel (liger-kernel, read at its ``main`` of 2026-10): its fused linear cross entropy returns the
 per-token loss (``reduction="none"``) but no entropy and no temperature (only by pre-scaling the half-precision hidden
@@ -22,15 +23,19 @@ reductions over the half-precision logits.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from agents.compiling import compiled
-from agents.exact import ops, token_logprob
+from agents.exact import forward_bits_in_recompute, ops, token_logprob
 
 #: hidden states per chunk: a float32 [chunk, 152k] is ~0.6 GB (what a chunk's backward holds a few of)
 CHUNK_TOKENS = 1024
+#: the ops whose outputs a chunk's recomputation takes from its forward in exact mode (`_exact_recompute`)
+SAVED_IN_EXACT = ("mt_env::exact_softmax_stats",)
 
 
 def logits_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float | torch.Tensor,
@@ -84,8 +89,29 @@ def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tens
         part = slice(start, start + size)
         temp = temperature[part] if per_row else temperature
         if torch.is_grad_enabled():
-            outputs.append(checkpoint(chunk, hidden[part], targets[part], temp, use_reentrant=False))
+            outputs.append(checkpoint(chunk, hidden[part], targets[part], temp, use_reentrant=False,
+                                      **({"context_fn": _exact_recompute} if exact else {})))
         else:
             outputs.append(chunk(hidden[part], targets[part], temp))
     logprobs = torch.cat([lp for lp, _ in outputs])
     return logprobs, torch.cat([ent for _, ent in outputs]) if with_entropy else None
+
+
+def _exact_recompute():
+    """Selective checkpointing for an exact chunk: its recomputation in backward makes the forward's logits again
+    (the exact kernel, not cuBLAS: `agents.exact.forward_bits_in_recompute`) and takes the forward's softmax
+    statistics ([chunk, 3] float32, `SAVED_IN_EXACT`) rather than reading those logits once more to make them. So the
+    gradient is that of the forward's own distribution. Statistics made by torch operations (CPU without the kernels)
+    are recomputed, with the same bits."""
+    forward, recompute = create_selective_checkpoint_contexts(_save_exact_stats)
+    return forward, _in_both(recompute, forward_bits_in_recompute())
+
+
+@contextlib.contextmanager
+def _in_both(first, second):
+    with first, second:
+        yield
+
+
+def _save_exact_stats(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op.name() in SAVED_IN_EXACT else CheckpointPolicy.PREFER_RECOMPUTE

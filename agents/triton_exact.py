@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_matmul import REFERENCE, matmul  # noqa: F401  (one of the kernels `agents.exact` calls)
+from .triton_matmul import REFERENCE, forward_bits_in_backward, matmul  # noqa: F401  (`agents.exact` calls them)
 
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64

@@ -227,3 +227,46 @@ def test_softmax_stats_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed
     torch.testing.assert_close(full[:, 2].double(), (e * z.double()).sum(-1), atol=1e-3, rtol=1e-5)
     with pytest.raises(ValueError, match="softmax_stats"):
         triton_exact.softmax_stats(x, temperature[:2])
+
+
+
+def test_an_exact_chunks_recomputation_takes_the_forwards_logits_and_softmax_stats(monkeypatch):
+    """`agents.logprobs.token_logprobs` in exact mode, under autograd: each chunk's backward recomputes its logits
+    with the forward's bits (the exact kernel, not cuBLAS) and takes its softmax statistics from the forward (one
+    statistics launch per chunk in all, where a full recomputation makes two); logprobs and gradients are the full
+    recomputation's, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from agents import logprobs
+
+    class Record(TorchDispatchMode):  # the LM head's outputs, forward then recompute, and the statistics launches
+        def __init__(self):
+            super().__init__()
+            self.logits, self.stats = [], 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.logits += [out] if func.name() == "mt_env::exact_matmul" else []
+            self.stats += func.name() == "mt_env::exact_softmax_stats"
+            return out
+
+    monkeypatch.setattr(exact, "_ON_CPU", True)  # the kernels, also under the interpreter
+    lm_head = torch.nn.Linear(16, 40, bias=False).to(DEVICE)
+    hidden = randn(10, 16, seed=1).requires_grad_()
+    targets = torch.randint(0, 40, (10,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    temperature = torch.full((10,), 0.7, device=DEVICE)
+
+    def run(saved):
+        monkeypatch.setattr(logprobs, "SAVED_IN_EXACT", saved)
+        hidden.grad = lm_head.weight.grad = None
+        with Record() as record:
+            out, entropy = logprobs.token_logprobs(hidden, lm_head, targets, temperature=temperature,
+                                                   with_entropy=True, chunk_tokens=4, exact=True)
+            (out.sum() + entropy.sum()).backward()
+        forward, recomputed = record.logits[:3], record.logits[3:][::-1]  # backward goes from the last chunk
+        assert len(recomputed) == 3 and all(torch.equal(a, b) for a, b in zip(forward, recomputed))
+        return record.stats, out, entropy, hidden.grad, lm_head.weight.grad
+
+    saved, recomputed = run(logprobs.SAVED_IN_EXACT), run(())
+    assert (saved[0], recomputed[0]) == (3, 6)  # 3 chunks of 4, 4 and 2 tokens
+    assert all(torch.equal(a, b) for a, b in zip(saved[1:], recomputed[1:]))
