@@ -242,11 +242,14 @@ def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 def _logits_grad(logits, targets, temperature, log_normaliser, entropy, grad_logprob, grad_entropy):
     """d/dlogits of grad_logprob * log p(target) + grad_entropy * H, with log p = z - log_normaliser, z = x / T:
-    (onehot - p) * grad_logprob - p * (log p + H) * grad_entropy, over T, in the logits' dtype."""
+    (onehot - p) * grad_logprob - p * (log p + H) * grad_entropy, over T, in the logits' dtype. The one-hot term is a
+    comparison with the column index, not a scatter: compiled, the whole gradient is one pass over the logits (a
+    scatter made Inductor write a float32 [N, vocab] and read it again to divide and cast; docs/exact.md)."""
     logp = logits.float() / temperature[:, None] - log_normaliser[:, None]
     p = torch.exp(logp)
     grad_z = -p * (grad_logprob[:, None] + grad_entropy[:, None] * (logp + entropy[:, None]))
-    grad_z = grad_z.scatter_add(1, targets[:, None], grad_logprob[:, None])
+    target = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+    grad_z = torch.where(target, grad_z + grad_logprob[:, None], grad_z)
     return (grad_z / temperature[:, None]).to(logits.dtype)
 
 
