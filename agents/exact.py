@@ -78,6 +78,11 @@ def _kernels(t: torch.Tensor):
     return _TRITON or None
 
 
+def runs_kernels(t: torch.Tensor) -> bool:
+    """Whether exact mode's operations on `t` run the Triton kernels (else the torch versions)."""
+    return _kernels(t) is not None
+
+
 def compiles_layers(device: torch.device) -> bool:
     """Whether exact mode runs the decoder layers compiled by Inductor on `device`: where the Triton kernels run
     (CUDA), when `COMPILE_LAYERS` is on. The engine (its layer functions) and the trainer (`compile_layers`) both

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from agents.compiling import compiled
-from agents.exact import forward_bits_in_recompute, ops, token_logprob
+from agents.exact import forward_bits_in_recompute, ops, runs_kernels, token_logprob
 
 #: hidden states per chunk: a float32 [chunk, 152k] is ~0.6 GB (what a chunk's backward holds a few of)
 CHUNK_TOKENS = 1024
@@ -85,12 +85,12 @@ def token_logprobs(hidden: torch.Tensor, lm_head: nn.Module, targets: torch.Tens
     if len(hidden) <= size and (chunk_tokens is None or not torch.is_grad_enabled()):
         return chunk(hidden, targets, temperature)
     outputs = []
+    selective = {"context_fn": _exact_recompute} if exact and runs_kernels(hidden) else {}
     for start in range(0, max(1, len(hidden)), size):
         part = slice(start, start + size)
         temp = temperature[part] if per_row else temperature
         if torch.is_grad_enabled():
-            outputs.append(checkpoint(chunk, hidden[part], targets[part], temp, use_reentrant=False,
-                                      **({"context_fn": _exact_recompute} if exact else {})))
+            outputs.append(checkpoint(chunk, hidden[part], targets[part], temp, use_reentrant=False, **selective))
         else:
             outputs.append(chunk(hidden[part], targets[part], temp))
     logprobs = torch.cat([lp for lp, _ in outputs])
@@ -101,8 +101,9 @@ def _exact_recompute():
     """Selective checkpointing for an exact chunk: its recomputation in backward makes the forward's logits again
     (the exact kernel, not cuBLAS: `agents.exact.forward_bits_in_recompute`) and takes the forward's softmax
     statistics ([chunk, 3] float32, `SAVED_IN_EXACT`) rather than reading those logits once more to make them. So the
-    gradient is that of the forward's own distribution. Statistics made by torch operations (CPU without the kernels)
-    are recomputed, with the same bits."""
+    gradient is that of the forward's own distribution. Only where the kernels run (`agents.exact.runs_kernels`):
+    selective checkpointing costs host time on every operation of the chunk (docs/exact.md), and the torch
+    versions' statistics are many operations."""
     forward, recompute = create_selective_checkpoint_contexts(_save_exact_stats)
     return forward, _in_both(recompute, forward_bits_in_recompute())
 
