@@ -465,7 +465,7 @@ def forward_bits_in_recompute():
     a recompute that reuses values its forward saved (`agents.logprobs`: an LM-head chunk's softmax statistics). The
     torch versions (CPU) give the forward's bits anyway."""
     kernels = _load_kernels()
-    return kernels.forward_bits_in_backward() if kernels else contextlib.nullcontext()
+    return kernels.forward_bits_in_recompute() if kernels else contextlib.nullcontext()
 
 
 class RecomputeUnderOps:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_matmul import REFERENCE, forward_bits_in_backward, matmul  # noqa: F401  (`agents.exact` calls them)
+from .triton_matmul import REFERENCE, forward_bits_in_recompute, matmul  # noqa: F401  (`agents.exact` calls them)
 
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64

@@ -17,7 +17,7 @@ the reference does:
 Programs take tiles in groups of `Tile.group_m` tiles down M, across N within a group: the weight's tiles and the
 rows' tiles in flight both stay in L2 (down M alone re-read a 32k-row x from memory once per column of tiles).
 Inside a backward (activation checkpointing's recompute, whose values only feed gradients) the product is cuBLAS's,
-except under `forward_bits_in_backward` (a recompute that must give the forward's bits).
+except under `forward_bits_in_recompute` (a recompute that must give the forward's bits).
 Under Triton's interpreter (``TRITON_INTERPRET=1``) loop bounds are constants (`STATIC_*`), with the same masks.
 """
 
@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_IN_BACKWARD = threading.local()  #: `forward_bits_in_backward`'s switch (a recompute runs on its backward's thread)
+_IN_RECOMPUTE = threading.local()  #: `forward_bits_in_recompute`'s switch (on the thread the recompute runs on)
 
 
 class Tile(NamedTuple):
@@ -143,20 +143,20 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def forward_bits_in_backward():
+def forward_bits_in_recompute():
     """Calls made inside a backward while this context is open (on this thread) run the exact kernel, as in the
     forward, where they would run cuBLAS: for a recompute that reuses values its forward saved."""
-    before = getattr(_IN_BACKWARD, "exact", False)
-    _IN_BACKWARD.exact = True
+    before = getattr(_IN_RECOMPUTE, "exact", False)
+    _IN_RECOMPUTE.exact = True
     try:
         yield
     finally:
-        _IN_BACKWARD.exact = before
+        _IN_RECOMPUTE.exact = before
 
 
 @torch.library.custom_op("mt_env::exact_matmul", mutates_args=())
 def _matmul_op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    if torch._C._current_graph_task_id() != -1 and not getattr(_IN_BACKWARD, "exact", False):  # a recompute
+    if torch._C._current_graph_task_id() != -1 and not getattr(_IN_RECOMPUTE, "exact", False):  # a recompute
         _check(x, weight)  # (docs/exact.md: only the forward's values must be the engine's): cuBLAS
         return torch.mm(x, weight.t())
     return _matmul(x, weight)

@@ -269,7 +269,6 @@ def test_the_trainers_token_logprob_is_the_samplers_and_differentiates_as_log_so
     torch.testing.assert_close(grad.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-
 def test_the_token_logprobs_gradient_compiles_to_one_pass_over_the_logits():
     """`exact.token_logprob`'s backward (`_logits_grad`, compiled by Inductor on CUDA; here on CPU) is one kernel: a
     one-hot by scatter made two, with a float32 [N, vocab] between them. Its values are the eager function's."""
@@ -288,6 +287,7 @@ def test_the_token_logprobs_gradient_compiles_to_one_pass_over_the_logits():
     out = torch.compile(fresh, options=INDUCTOR_OPTIONS, dynamic=True)(*args)
     assert metrics.generated_kernel_count == 1
     assert torch.equal(out, exact._logits_grad(*args))
+
 
 def test_lora_adapters_keep_the_bits_equal():
     """Exact mode runs the module's own code, LoRA adapters (peft) included: the engine generates through them and the

@@ -229,7 +229,6 @@ def test_softmax_stats_rows_do_not_depend_on_the_other_rows(rows, picks, n, seed
         triton_exact.softmax_stats(x, temperature[:2])
 
 
-
 def test_an_exact_chunks_recomputation_takes_the_forwards_logits_and_softmax_stats(monkeypatch):
     """`agents.logprobs.token_logprobs` in exact mode, under autograd: each chunk's backward recomputes its logits
     with the forward's bits (the exact kernel, not cuBLAS) and takes its softmax statistics from the forward (one
