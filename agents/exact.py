@@ -459,6 +459,31 @@ def ops(on: bool = True):
     return _ExactOps()
 
 
+def routes() -> bool:
+    """Whether this thread's innermost torch function mode is exact mode's routing (`ops`)."""
+    stack = _get_current_function_mode_stack()
+    return bool(stack) and isinstance(stack[-1], _ExactOps)
+
+
+@contextlib.contextmanager
+def routed_inside(on: bool):
+    """For calling compiled code that routes its own operations (`routing` inside the compiled function): exact
+    mode's routing (`on`: it is this thread's innermost mode) is set aside for the call. Compiled code that runs under
+    a torch function mode sends every operation of its Python wrappers through the mode's ``__torch_function__``
+    (about 170 a layer's forward: autograd's views, grad mode, detaches), each a round trip into Python; traced
+    inside the compiled function, the routing is in the graph and costs nothing at run time."""
+    if not on:
+        yield
+        return
+    with torch.overrides._pop_mode_temporarily():
+        yield
+
+
+def routing(on: bool):
+    """Inside a compiled function (`routed_inside` around its call): exact mode's routing where `on`."""
+    return _ExactOps() if on else contextlib.nullcontext()
+
+
 def forward_bits_in_recompute():
     """A context in which activation checkpointing's recompute gives the forward's bits: the matmul runs its exact
     kernel inside a backward too, where by default it runs cuBLAS (the recompute's values feed only gradients). For
@@ -473,8 +498,8 @@ class RecomputeUnderOps:
     runs under `ops()`, in the forward and in backward's recompute alike. The mode is thread-local and the forward's
     ends before backward, so without this the recompute would run the plain operations and save other tensors than
     the forward did (`torch.utils.checkpoint` raises a ``CheckpointError``, or a compiled layer compiles a plain
-    graph). Where Dynamo traces the checkpoint (transformers versions that checkpoint inside the layer's ``forward``,
-    which exact mode compiles), the recompute is the traced graph's and this adds nothing."""
+    graph). Where Dynamo traces the checkpoint (a model its user compiles whole; `trainers.modeling.compile_layers`
+    keeps the checkpoint out of its graphs), the recompute is the traced graph's and this adds nothing."""
 
     def __init__(self, checkpoint_fn):
         self.checkpoint_fn = checkpoint_fn

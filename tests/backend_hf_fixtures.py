@@ -1,7 +1,8 @@
 """What the HFBackend tests share (tests/test_backend_hf*.py, and the engine's, the prefix cache's, the exact and
 Triton tests): the test device (``MT_ENV_TEST_DEVICE``), a tiny random-init Qwen2 model, the one-CPU-thread autouse
 fixture, the `model` and `engine` (the backend's two paths) fixtures, `run` with a timeout, argmax decoding and
-logprobs by hand, the references the backend must match, and `packed_positions` (exact mode's trainer layouts). Not
+logprobs by hand, the references the backend must match, `packed_positions` (exact mode's trainer layouts) and
+`layer_compiler` (how the trainer's compiled layers compile in tests). Not
 a test module: import what you need (a fixture is imported by its function's name, e.g. `model_fixture` for `model`:
 a test's argument does not shadow the import)."""
 
@@ -109,3 +110,19 @@ def packed_positions(rows: list[list[int]], width: int) -> tuple[torch.Tensor, t
             position_ids[b, at:at + n], real[b, at:at + n] = torch.arange(n), True
             at += n
     return position_ids, real
+
+
+@pytest.fixture(name="layer_compiler")
+def layer_compiler_fixture(monkeypatch):
+    """How `compile_layers` compiles here: Inductor on CUDA (MT_ENV_TEST_DEVICE=cuda), as the trainer runs it; on
+    CPU, dynamo and AOTAutograd without Inductor's code generation and with static shapes (Inductor's C++ compile of
+    a layer's forward and backward with dynamic shapes takes minutes on 2 cores) — the same capture of the layers,
+    their arguments and their backward."""
+    from agents import compiling
+    from trainers.modeling import _layer_forward
+
+    if DEVICE != "cuda":
+        light = compiling.Compiled(_layer_forward)
+        light._compiled = torch.compile(_layer_forward, backend="aot_eager", dynamic=False)
+        monkeypatch.setitem(compiling._COMPILED, _layer_forward, light)
+    return compiling.compiled(_layer_forward)

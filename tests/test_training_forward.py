@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agents.compiling import compiled
 from mt_env.batch import TrainBatch, micro_batches
-from trainers.modeling import PolicyModel, _layer_forward, build_causal_lm, compile_layers
+from trainers.modeling import PolicyModel, build_causal_lm, compile_layers
+
+from .backend_hf_fixtures import layer_compiler_fixture  # noqa: F401  (the `layer_compiler` fixture)
 
 DEVICE = torch.device(os.environ.get("MT_ENV_TEST_DEVICE", "cpu"))
 TINY = dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -59,21 +60,6 @@ def test_micro_batches_by_tokens_partition_the_rows_within_the_budget(lengths, b
     assert [len(p) for p in micro_batches(batch, rows, max_rows=4)] == [len(p) for p in rows.split(4)]
 
 
-@pytest.fixture
-def layer_compiler(monkeypatch):
-    """How `compile_layers` compiles here: Inductor on CUDA (MT_ENV_TEST_DEVICE=cuda), as the trainer runs it; on
-    CPU, dynamo and AOTAutograd without Inductor's code generation and with static shapes (Inductor's C++ compile of
-    a layer's forward and backward with dynamic shapes takes minutes on 2 cores) — the same capture of the layers,
-    their arguments and their backward."""
-    from agents import compiling
-
-    if DEVICE.type != "cuda":
-        light = compiling.Compiled(_layer_forward)
-        light._compiled = torch.compile(_layer_forward, backend="aot_eager", dynamic=False)
-        monkeypatch.setitem(compiling._COMPILED, _layer_forward, light)
-    return compiled(_layer_forward)
-
-
 def test_compiled_layers_give_the_eager_logprobs_and_gradients(layer_compiler):
     """`compile_layers`: the policy's logprobs, entropy and gradients are the eager module's (padded rows here;
     packed rows in the next test); a deep copy made afterwards runs its own weights."""
@@ -99,6 +85,34 @@ def test_compiled_layers_give_the_eager_logprobs_and_gradients(layer_compiler):
         copied.model.layers[0].mlp.down_proj.weight.zero_()
         ids = batch.input_ids[:1]
         assert not torch.allclose(copied(ids).logits, fast(ids).logits)
+
+
+def test_compiled_layers_under_activation_checkpointing_compile_and_give_the_eager_gradients(layer_compiler):
+    """Under transformers' activation checkpointing the layers still run compiled, in one graph without a break
+    (transformers checkpoints inside the layer's ``forward``; traced, that checkpoint refused the `kernels` package's
+    hook in the attention, and the layers ran eagerly), and give the eager checkpointed module's numbers."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # (a graph compiled by an earlier test would serve: none would be counted)
+    eager = build_causal_lm(config=TINY, vocab_size=100).train()
+    fast = copy.deepcopy(eager)
+    compile_layers(fast)
+    batch = _batch([12, 7, 9, 3])
+    results = []
+    for lm in (eager, fast):
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+        lp, _ = PolicyModel(lm)(batch.input_ids, batch.loss_mask, attention_mask=batch.attention_mask,
+                                position_ids=batch.position_ids)
+        lp.sum().backward()
+        results.append((lp.detach(), [p.grad for p in lm.parameters()]))
+    assert layer_compiler.failure is None, layer_compiler.failure
+    assert counters["stats"]["unique_graphs"] > graphs and sum(counters["graph_break"].values()) == breaks, \
+        dict(counters["graph_break"])
+    (lp, grads), (lp_c, grads_c) = results
+    torch.testing.assert_close(lp_c, lp, atol=1e-5, rtol=1e-5)
+    for g_c, g in zip(grads_c, grads):
+        torch.testing.assert_close(g_c, g, atol=1e-5, rtol=1e-4)
 
 
 def test_the_new_update_path_equals_todays(layer_compiler):

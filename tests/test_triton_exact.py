@@ -13,10 +13,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agents import exact
+from trainers.modeling import PolicyModel
 
-from .backend_hf_fixtures import DEVICE, packed_positions
+from .backend_hf_fixtures import DEVICE, layer_compiler_fixture, packed_positions  # noqa: F401  (`layer_compiler`)
 from .triton_fixtures import DTYPES, EXAMPLES, TOLERANCE, randn, require_kernels
 
 require_kernels()
@@ -269,3 +271,52 @@ def test_an_exact_chunks_recomputation_takes_the_forwards_logits_and_softmax_sta
     saved, recomputed = run(logprobs.SAVED_IN_EXACT), run(())
     assert (saved[0], recomputed[0]) == (3, 6)  # 3 chunks of 4, 4 and 2 tokens
     assert all(torch.equal(a, b) for a, b in zip(saved[1:], recomputed[1:]))
+
+
+# --------------------------------------------------------------------------------------------- compiled layers
+def test_compiled_exact_layers_route_inside_their_graph_and_under_activation_checkpointing(layer_compiler,
+                                                                                            monkeypatch):
+    """Where exact mode compiles the trainer's layers (CUDA; here wherever the kernels run, on CPU captured by
+    dynamo and AOTAutograd without Inductor), its routing is traced into the layers' graph and set aside while the graph runs: the
+    compiled code's own Python (autograd's views, grad mode, detaches: about 170 operations a layer) does not go
+    through `_ExactOps.__torch_function__`: a step's routed operations grow by at most one a layer. Under
+    activation checkpointing the layers run compiled and recompute (a CheckpointError before: traced by Dynamo,
+    transformers' checkpoint broke the graph), with the eager exact model's logprobs and, on CPU, gradients."""
+    monkeypatch.setattr(exact, "_ON_CPU", True)  # the kernels, also under the interpreter
+    monkeypatch.setattr(exact, "compiles_layers", lambda device: True)
+    routed = []
+    route = exact._ExactOps.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if not torch.compiler.is_compiling():
+            routed.append(func)
+        return route(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(exact._ExactOps, "__torch_function__", counted)
+    ids = torch.randint(0, 96, (3, 21), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    mask = torch.ones(3, 21, device=DEVICE)
+    mask[:, :5] = 0
+    steps = {}
+    for layers in (2, 4):
+        for compiles in (False, True):
+            torch.manual_seed(7)
+            config = Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                 num_key_value_heads=2, intermediate_size=128)
+            lm = Qwen2ForCausalLM(config).to(DEVICE).train()
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if not compiles:
+                monkeypatch.setattr(exact, "compiles_layers", lambda device: False)
+            policy = PolicyModel(lm, exact=True)
+            monkeypatch.setattr(exact, "compiles_layers", lambda device: True)
+            routed.clear()
+            logprobs, _ = policy(ids, mask)
+            logprobs.sum().backward()
+            steps[layers, compiles] = len(routed), logprobs.detach(), [p.grad for p in lm.parameters()]
+    assert layer_compiler.failure is None, layer_compiler.failure
+    per_layer = {compiles: (steps[4, compiles][0] - steps[2, compiles][0]) / 2 for compiles in (False, True)}
+    assert per_layer[True] <= 1 < 50 < per_layer[False], per_layer  # (1: the eager checkpoint reads its input's device)
+    if DEVICE != "cuda":  # the same operations as eager (on CUDA Inductor's: the engine's, test_exact.py)
+        (_, plain, plain_grads), (_, compiled, grads) = steps[4, False], steps[4, True]
+        assert torch.equal(compiled, plain)
+        for grad, plain_grad in zip(grads, plain_grads):
+            torch.testing.assert_close(grad, plain_grad, rtol=1e-5, atol=1e-6)

@@ -191,23 +191,51 @@ def _compute_dtype(model: nn.Module) -> torch.dtype:
 def compile_layers(lm: nn.Module) -> None:
     """From now on `lm`'s decoder layers run compiled by Inductor in forward passes without a KV cache (the
     trainer's): one compilation with dynamic shapes for every layer (`agents.compiling`, which falls back to eager
-    if it fails), transformers' activation checkpointing included. Passes with a cache (generation on the
-    transformers path) run the layers as they are. Each layer's ``forward`` becomes an attribute of the layer:
-    deep copies made after this call share the compiled function, not the layer."""
+    if it fails). Under transformers' activation checkpointing the checkpoint runs eagerly around the compiled
+    forward (`_layer_forward_compiled`). Passes with a cache (generation on the transformers path) run the layers as
+    they are. Each layer's ``forward`` becomes an attribute of the layer: deep copies made after this call share the
+    compiled function, not the layer."""
     for layer in getattr(lm, lm.base_model_prefix).layers:
         if "forward" not in vars(layer):
             layer.forward = functools.partial(_layer_forward_compiled, layer)
 
 
-def _layer_forward(layer: nn.Module, *args, **kwargs):
-    """The layer class's own forward (with transformers' checkpointing wrapper), the layer as an argument."""
-    return type(layer).forward(layer, *args, **kwargs)
+def _layer_forward(forward, exact_ops: bool, layer: nn.Module, *args, **kwargs):
+    """The compiled function: the layer class's `forward`, the layer as an argument (so every layer shares it),
+    under exact mode's routing where `exact_ops` (entered inside the graph: `agents.exact.routed_inside`)."""
+    with exact.routing(exact_ops):
+        return forward(layer, *args, **kwargs)
+
+
+def _run_compiled(forward, exact_ops: bool, layer: nn.Module, *args, **kwargs):
+    with exact.routed_inside(exact_ops):
+        return compiled(_layer_forward)(forward, exact_ops, layer, *args, **kwargs)
 
 
 def _layer_forward_compiled(layer: nn.Module, *args, **kwargs):
+    """A layer's forward with its compute compiled. Recent transformers checkpoint inside the class's ``forward``
+    (a wrapper that calls ``layer._gradient_checkpointing_func``); traced by Dynamo, that checkpoint becomes a
+    higher-order op that refuses any Python side effect in the layer, and the layer's attention has one there
+    (the `kernels` package's hook sets a context variable), so nothing compiled: the layers ran eagerly, and exact
+    mode's recompute saved other tensors than its forward (``CheckpointError``). So the checkpoint is made here,
+    eagerly, as transformers' wrapper would make it, around the compiled forward it wraps; the recompute runs the
+    same compiled code. Layers that checkpoint outside ``forward`` (older transformers) need nothing of this."""
     if kwargs.get("use_cache"):
-        return _layer_forward(layer, *args, **kwargs)
-    return compiled(_layer_forward)(layer, *args, **kwargs)
+        return type(layer).forward(layer, *args, **kwargs)
+    forward, checkpoints = _own_forward(type(layer))
+    run = functools.partial(_run_compiled, forward, exact.routes(), layer, **kwargs)
+    if checkpoints and layer.gradient_checkpointing and layer.training and torch.is_grad_enabled():
+        return layer._gradient_checkpointing_func(run, *args)
+    return run(*args)
+
+
+@functools.cache
+def _own_forward(cls: type) -> tuple:
+    """(`cls`'s forward without transformers' checkpointing wrappers, whether it had one)."""
+    forward, wrapped = cls.forward, False
+    while getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing":
+        forward, wrapped = forward.__wrapped__, True
+    return forward, wrapped
 
 
 def _use_exact_attention(lm: nn.Module) -> None:
