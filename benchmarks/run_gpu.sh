@@ -110,7 +110,7 @@ case "${1:-}" in
     for on in true false; do
       MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=$([ $on = true ] && echo \
         false || echo true) --set rollout.exact_logprobs=$on --set rollout.max_turns=1 --steps 5 \
-        --out "$EXP/rl_step_one_turn_exact_$on.json" 2>&1 | grep "^steady\|^rollout's\|^logprob\|^step "
+        --out "$EXP/rl_step_one_turn_exact_$on.json" 2>&1 | grep "^steady\|^rollout's\|^logprob\|^step \|B parameters"
       echo "bench_rl_step one turn, exact $on: rc=${PIPESTATUS[0]}"
     done ;;
   exact_profile)  # an experiment: exact on and off on single-turn episodes (equal work), step 4 of 5 profiled in each
