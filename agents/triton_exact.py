@@ -51,17 +51,24 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, l
                       stride_qs, stride_qh, stride_qt, stride_ks, stride_kh, stride_kt, stride_vs, stride_vh, stride_vt,
                       stride_os, stride_oh, stride_ot, stride_ps, stride_is, stride_ls, stride_lh,
                       GROUP: tl.constexpr, DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr, STATIC_KEYS: tl.constexpr,
-                      INTERPRETED: tl.constexpr):
+                      BLOCK_N: tl.constexpr, IEEE: tl.constexpr, INDEXED: tl.constexpr, FLAT_QUERIES: tl.constexpr,
+                      STATIC_KEYS: tl.constexpr, INTERPRETED: tl.constexpr):
     tile, s, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # row r: query r // GROUP, head r % GROUP of the KV head's group
     t, head = r // GROUP, kv_head * GROUP + r % GROUP
     real = t < queries
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < DIM
-    pos = tl.load(pos_ptr + s * stride_ps + t, mask=real, other=-1)
     length = tl.minimum(tl.load(len_ptr + s), keys)
-    q = tl.load(q_ptr + s * stride_qs + head[:, None] * stride_qh + t[:, None] * stride_qt + dims[None, :],
+    if FLAT_QUERIES:  # the trainer's flat rows: query t of sequence s is row idx[s, t], at position t, its output there
+        real = real & (t < length)
+        pos = tl.where(real, t, -1)
+        q_row = tl.load(idx_ptr + s * stride_is + t, mask=real, other=0).to(tl.int64)
+        q_at, o_at = q_row * stride_qt, q_row * stride_ot
+    else:
+        pos = tl.load(pos_ptr + s * stride_ps + t, mask=real, other=-1)
+        q_at, o_at = s * stride_qs + t * stride_qt, s * stride_os + t * stride_ot
+    q = tl.load(q_ptr + q_at[:, None] + head[:, None] * stride_qh + dims[None, :],
                 mask=real[:, None] & in_dim[None, :], other=0.0)
     best = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)  # finite: a block seen by no row changes nothing
     total = tl.zeros([BLOCK_M], tl.float32)
@@ -95,7 +102,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, l
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         best = new_best
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
-    tl.store(out_ptr + s * stride_os + head[:, None] * stride_oh + t[:, None] * stride_ot + dims[None, :], out,
+    tl.store(out_ptr + o_at[:, None] + head[:, None] * stride_oh + dims[None, :], out.to(out_ptr.dtype.element_ty),
              mask=real[:, None] & in_dim[None, :])
     # the log-sum-exp of the row's scaled scores (flash attention's, for its backward); +inf where it sees no key
     seen = total > 0
@@ -179,28 +186,54 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
     (float32; +inf for a row that sees no key): what flash attention's backward takes."""
     _check_attention(q, k, v, k_index)
     S, heads, Tq, d = q.shape
-    q, k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (q, k, v))
-    q_pos, k_len = q_pos.to(torch.int32).contiguous(), k_len.to(torch.int32).contiguous()
-    kv_heads = k.shape[1]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
+    lse = torch.full((S, heads, Tq), float("inf"), dtype=torch.float32, device=q.device)
+    _launch(q, k, v, q_pos.to(torch.int32).contiguous(), k_len, k_index, out, lse, Tq, q.stride()[:3],
+            out.stride()[:3], scale)
+    return out, lse
+
+
+def _flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_attention` of the trainer's flat rows, read and written in place: `q`, `k`, `v` [N, heads or kv_heads, d],
+    query and key t of sequence s at row ``index[s, t]`` (t < ``lengths[s]``, at position t). Returns the output
+    [N, heads, d] in q's dtype (0 on rows of no sequence; each query's bits those of `_attention` over the gathered
+    queries, cast) and the log-sum-exp [S, heads, L]. No gather of the queries, no scatter of the outputs."""
+    S, L = index.shape
+    _check_attention(q.new_empty(S, q.shape[1], L, q.shape[2], device="meta"), k, v, index)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.full((S, q.shape[1], L), float("inf"), dtype=torch.float32, device=q.device)
+    # (strides: no sequence stride, a query is a row; the positions are the queries' own indices, unread)
+    _launch(q, k, v, lengths, lengths, index, out, lse, L, (0, q.stride(1), q.stride(0)),
+            (0, out.stride(1), out.stride(0)), scale, flat_queries=True)
+    return out, lse
+
+
+def _launch(q, k, v, q_pos, k_len, k_index, out, lse, Tq: int, q_strides, out_strides, scale: float,
+            flat_queries: bool = False) -> None:
+    """The attention kernel over (sequence, head, query) rows; (sequence, head, position) strides of q and out."""
+    S, heads, _ = lse.shape
+    k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (k, v))
+    k_len = k_len.to(torch.int32).contiguous()
+    kv_heads, d = k.shape[1], q.shape[-1]
     if k_index is None:
         Tk, index = k.shape[2], q_pos  # (index: an unread stand-in)
         k_strides, v_strides = k.stride()[:3], v.stride()[:3]
     else:  # (sequence, head, position) strides of the flat rows: no sequence stride, a position is a row
         Tk, index = k_index.shape[1], k_index.contiguous()
         k_strides, v_strides = (0, k.stride(1), k.stride(0)), (0, v.stride(1), v.stride(0))
-    out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
-    lse = torch.full((S, heads, Tq), float("inf"), dtype=torch.float32, device=q.device)
     if S == 0 or Tq == 0 or Tk == 0:
-        return out, lse
+        return
     group = heads // kv_heads
     grid = (triton.cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
-    _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q.stride()[:3], *k_strides,
-                            *v_strides, *out.stride()[:3], q_pos.stride(0), index.stride(0), *lse.stride()[:2],
+    _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides, *k_strides,
+                            *v_strides, *out_strides, q_pos.stride(0), index.stride(0), *lse.stride()[:2],
                             GROUP=group, DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
                             BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
-                            STATIC_KEYS=Tk if _INTERPRETED else 0, INTERPRETED=_INTERPRETED, num_warps=4,
-                            num_stages=2)
-    return out, lse
+                            FLAT_QUERIES=flat_queries, STATIC_KEYS=Tk if _INTERPRETED else 0,
+                            INTERPRETED=_INTERPRETED, num_warps=4, num_stages=2)
 
 
 # --------------------------------------------------------------------------------------------- the trainer's attention
@@ -224,11 +257,7 @@ def _sequence_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch
                  seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, rows: torch.Tensor,
                  cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the output [N, heads, d], the log-sum-exp [S, heads, L] for the backward)."""
-    S, L = index.shape
-    queries = q[index].transpose(1, 2)  # [S, heads, L, d]
-    out, lse = _attention(queries, k, v, torch.arange(L, device=q.device).expand(S, L), lengths, scale, index)
-    flat = out.to(q.dtype).transpose(1, 2)[seq, pos]  # [N, heads, d]: each token's own row
-    return torch.where(real[:, None, None], flat, flat.new_zeros(())), lse
+    return _flat_attention(q, k, v, index, lengths, scale)
 
 
 @_sequence_op.register_fake
