@@ -348,18 +348,17 @@ def _key_blocks(k: torch.Tensor, v: torch.Tensor, k_len: torch.Tensor) -> tuple[
 class Sequences:
     """Where the sequences of a [B, T] batch (padded or packed) lie: `index` [S, L] flat token indices of each
     sequence's positions 0..L-1 (clamped past its end), `lengths` [S]; and back, each flat token's sequence `seq` and
-    position `pos` [B * T] (0 for a token of none: `real` [B * T] False); the flat indices of the real tokens,
-    sequence after sequence, `rows` [R], and where each sequence starts among them, `cu_seqlens` [S + 1] int32 (flash
-    attention's varlen layout). Every shape is set by the inputs' (no boolean indexing where the attention runs:
-    compiled layers trace it whole)."""
+    position `pos` [B * T] (0 for a token of none: `real` [B * T] False); and `segments` [K + 1] int32, the flat
+    tokens cut into runs, each sequence one run and the tokens of none between them in runs of at most L (flash
+    attention's varlen boundaries over every token, so its backward reads and writes the rows in place). Every shape
+    is set by the inputs' (no boolean indexing where the attention runs: compiled layers trace it whole)."""
 
     index: torch.Tensor
     lengths: torch.Tensor
     seq: torch.Tensor
     pos: torch.Tensor
     real: torch.Tensor
-    rows: torch.Tensor
-    cu_seqlens: torch.Tensor
+    segments: torch.Tensor
 
 
 def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
@@ -378,8 +377,13 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     # a sequence's real tokens have positions 0, 1, ... in a run from its start: each is its offset from the start,
     # below the sequence's count (so the offsets are 0..count-1, each once)
     ok = ~real | ((seq >= 0) & (pos == flat - first) & (pos < counts[seq.clamp(min=0)]))
-    summary = torch.stack([starts.sum(), counts[:-1].max(), real.sum(), ok.all().long()])
-    S, L, R, valid = summary.tolist()
+    longest = counts[:-1].max()
+    # segment boundaries: each sequence's start, and every L-th token of a run of tokens of no sequence from its first
+    other = ~real
+    other_first = torch.cummax(torch.where(other & ~F.pad(other[:-1], (1, 0)), flat, 0), 0).values
+    bounds = starts | (other & ((flat - other_first) % longest.clamp(min=1) == 0))
+    summary = torch.stack([starts.sum(), longest, bounds.sum(), ok.all().long()])
+    S, L, K, valid = summary.tolist()
     if S == 0:
         raise ValueError("exact attention: no sequence starts at position 0")
     if not valid:
@@ -387,9 +391,8 @@ def sequences(position_ids: torch.Tensor, real: torch.Tensor) -> Sequences:
     lengths = counts[:S]
     offsets = torch.arange(L, device=pos.device)
     index = (torch.nonzero_static(starts, size=S).squeeze(1)[:, None] + offsets[None, :]).clamp(max=len(pos) - 1)
-    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
-    return Sequences(index, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real,
-                     torch.nonzero_static(real, size=R).squeeze(1), cu_seqlens)
+    segments = F.pad(torch.nonzero_static(bounds, size=K).squeeze(1).to(torch.int32), (0, 1), value=len(pos))
+    return Sequences(index, lengths, torch.where(real, seq, 0), torch.where(real, pos, 0), real, segments)
 
 
 def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: Sequences,
@@ -405,7 +408,7 @@ def sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     kernels = _kernels(query)
     if kernels is not None:  # the same arithmetic in one op, whose backward can be flash attention's
         out = kernels.sequence_attention(rows(query), rows(key), rows(value), layout.index, layout.lengths,
-                                         layout.seq, layout.pos, layout.real, layout.rows, layout.cu_seqlens, scale)
+                                         layout.seq, layout.pos, layout.real, layout.segments, scale)
         return out.reshape(B, T, heads, d)
     S, L = layout.index.shape
     q_pos = torch.arange(L, device=query.device).expand(S, L)

@@ -64,10 +64,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, l
         real = real & (t < length)
         pos = tl.where(real, t, -1)
         q_row = tl.load(idx_ptr + s * stride_is + t, mask=real, other=0).to(tl.int64)
-        q_at, o_at = q_row * stride_qt, q_row * stride_ot
+        q_at, o_at, l_at = q_row * stride_qt, q_row * stride_ot, q_row
     else:
         pos = tl.load(pos_ptr + s * stride_ps + t, mask=real, other=-1)
-        q_at, o_at = s * stride_qs + t * stride_qt, s * stride_os + t * stride_ot
+        q_at, o_at, l_at = s * stride_qs + t * stride_qt, s * stride_os + t * stride_ot, s * stride_ls + t
     q = tl.load(q_ptr + q_at[:, None] + head[:, None] * stride_qh + dims[None, :],
                 mask=real[:, None] & in_dim[None, :], other=0.0)
     best = tl.full([BLOCK_M], -3.4028234663852886e38, tl.float32)  # finite: a block seen by no row changes nothing
@@ -106,8 +106,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, len_ptr, idx_ptr, out_ptr, l
              mask=real[:, None] & in_dim[None, :])
     # the log-sum-exp of the row's scaled scores (flash attention's, for its backward); +inf where it sees no key
     seen = total > 0
-    tl.store(lse_ptr + s * stride_ls + head * stride_lh + t,
-             tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("inf")), mask=real)
+    tl.store(lse_ptr + l_at + head * stride_lh, tl.where(seen, best + tl.log(tl.where(seen, total, 1.0)), float("inf")),
+             mask=real)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
@@ -189,8 +189,8 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((S, heads, Tq), float("inf"), dtype=torch.float32, device=q.device)
-    _launch(q, k, v, q_pos.to(torch.int32).contiguous(), k_len, k_index, out, lse, Tq, q.stride()[:3],
-            out.stride()[:3], scale)
+    _launch(q, k, v, q_pos.to(torch.int32).contiguous(), k_len, k_index, out, lse, S, Tq, q.stride()[:3],
+            out.stride()[:3], lse.stride()[:2], scale)
     return out, lse
 
 
@@ -199,22 +199,24 @@ def _flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     """`_attention` of the trainer's flat rows, read and written in place: `q`, `k`, `v` [N, heads or kv_heads, d],
     query and key t of sequence s at row ``index[s, t]`` (t < ``lengths[s]``, at position t). Returns the output
     [N, heads, d] in q's dtype (0 on rows of no sequence; each query's bits those of `_attention` over the gathered
-    queries, cast) and the log-sum-exp [S, heads, L]. No gather of the queries, no scatter of the outputs."""
+    queries, cast) and each query's log-sum-exp [heads, N] (+inf on rows of no sequence: flash attention's varlen
+    layout). No gather of the queries, no scatter of the outputs."""
     S, L = index.shape
     _check_attention(q.new_empty(S, q.shape[1], L, q.shape[2], device="meta"), k, v, index)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((S, q.shape[1], L), float("inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
     # (strides: no sequence stride, a query is a row; the positions are the queries' own indices, unread)
-    _launch(q, k, v, lengths, lengths, index, out, lse, L, (0, q.stride(1), q.stride(0)),
-            (0, out.stride(1), out.stride(0)), scale, flat_queries=True)
+    _launch(q, k, v, lengths, lengths, index, out, lse, S, L, (0, q.stride(1), q.stride(0)),
+            (0, out.stride(1), out.stride(0)), (0, lse.stride(0)), scale, flat_queries=True)
     return out, lse
 
 
-def _launch(q, k, v, q_pos, k_len, k_index, out, lse, Tq: int, q_strides, out_strides, scale: float,
-            flat_queries: bool = False) -> None:
-    """The attention kernel over (sequence, head, query) rows; (sequence, head, position) strides of q and out."""
-    S, heads, _ = lse.shape
+def _launch(q, k, v, q_pos, k_len, k_index, out, lse, S: int, Tq: int, q_strides, out_strides, lse_strides,
+            scale: float, flat_queries: bool = False) -> None:
+    """The attention kernel over S sequences of Tq queries; (sequence, head, position) strides of q and out,
+    (sequence, head) of the log-sum-exp."""
+    heads = q.shape[1]
     k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (k, v))
     k_len = k_len.to(torch.int32).contiguous()
     kv_heads, d = k.shape[1], q.shape[-1]
@@ -229,7 +231,7 @@ def _launch(q, k, v, q_pos, k_len, k_index, out, lse, Tq: int, q_strides, out_st
     group = heads // kv_heads
     grid = (triton.cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
     _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides, *k_strides,
-                            *v_strides, *out_strides, q_pos.stride(0), index.stride(0), *lse.stride()[:2],
+                            *v_strides, *out_strides, q_pos.stride(0), index.stride(0), *lse_strides,
                             GROUP=group, DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
                             BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
                             FLAT_QUERIES=flat_queries, STATIC_KEYS=Tk if _INTERPRETED else 0,
@@ -238,58 +240,56 @@ def _launch(q, k, v, q_pos, k_len, k_index, out, lse, Tq: int, q_strides, out_st
 
 # --------------------------------------------------------------------------------------------- the trainer's attention
 def sequence_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
-                       seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, rows: torch.Tensor,
-                       cu_seqlens: torch.Tensor, scale: float) -> torch.Tensor:
+                       seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, segments: torch.Tensor,
+                       scale: float) -> torch.Tensor:
     """Causal attention of each sequence of a trainer's batch over its own tokens, in the layout transformers gives:
     `q` [N, heads, d], `k`, `v` [N, kv_heads, d] a token per row, the sequences (`agents.exact.Sequences`: `index`,
-    `lengths`, each row's `seq` and `pos`, `real`, the `rows` of real tokens in sequence order and their boundaries
-    `cu_seqlens` [S + 1]); returns [N, heads, d] in q's dtype, 0 on rows of no sequence. The same bits as `attention`
-    over the queries gathered by `index` (what the engine computes). The backward is flash attention's on the real
-    rows where it runs (`FLASH_BACKWARD`; CUDA, half precision: from this forward's output and log-sum-exp, at the
-    cost of the fast path's backward), else the SDPA recomputation of `attention`'s backward; gradients are not
-    compared bit for bit."""
-    return torch.ops.mt_env.exact_sequence_attention(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens,
-                                                     scale)[0]
+    `lengths`, each row's `seq` and `pos`, `real`, the runs of rows `segments`); returns [N, heads, d] in q's dtype,
+    0 on rows of no sequence. The same bits as `attention` over the queries gathered by `index` (what the engine
+    computes). The backward is flash attention's varlen backward over every row where it runs (`FLASH_BACKWARD`;
+    CUDA, half precision: from this forward's output and log-sum-exp, at the cost of the fast path's backward; a run
+    of rows of no sequence has log-sum-exp +inf there, so its gradients are 0), else the SDPA recomputation of
+    `attention`'s backward; gradients are not compared bit for bit."""
+    return torch.ops.mt_env.exact_sequence_attention(q, k, v, index, lengths, seq, pos, real, segments, scale)[0]
 
 
 @torch.library.custom_op("mt_env::exact_sequence_attention", mutates_args=())
 def _sequence_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
-                 seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, rows: torch.Tensor,
-                 cu_seqlens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the output [N, heads, d], the log-sum-exp [S, heads, L] for the backward)."""
+                 seq: torch.Tensor, pos: torch.Tensor, real: torch.Tensor, segments: torch.Tensor,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the output [N, heads, d], the log-sum-exp [heads, N] for the backward)."""
     return _flat_attention(q, k, v, index, lengths, scale)
 
 
 @_sequence_op.register_fake
-def _(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, scale):
+def _(q, k, v, index, lengths, seq, pos, real, segments, scale):
     _check_attention(q.new_empty(index.shape[0], q.shape[1], index.shape[1], q.shape[2]), k, v, index)
-    return q.new_empty(q.shape), q.new_empty(index.shape[0], q.shape[1], index.shape[1], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
 def _sequence_setup(ctx, inputs, output):
-    q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, ctx.scale = inputs
-    ctx.save_for_backward(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, *output)
+    q, k, v, index, lengths, seq, pos, real, segments, ctx.scale = inputs
+    ctx.save_for_backward(q, k, v, index, lengths, seq, pos, real, segments, *output)
 
 
 def _sequence_backward(ctx, grad, _):
-    q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens, out, lse = ctx.saved_tensors
+    q, k, v, index, lengths, seq, pos, real, segments, out, lse = ctx.saved_tensors
     if _flash_backward_runs(q):
-        grads = _flash_backward(grad, q, k, v, out, lse, index, seq, pos, rows, cu_seqlens, ctx.scale)
+        grads = _flash_backward(grad, q, k, v, out, lse, segments, index.shape[1], ctx.scale)
     else:
         grads = _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, ctx.scale, ctx.needs_input_grad)
-    return (*grads, *(None,) * 8)
+    return (*grads, *(None,) * 7)
 
 
-def _flash_backward(grad, q, k, v, out, lse, index, seq, pos, rows, cu_seqlens, scale):
-    """Flash attention's varlen backward over the real rows (sequence after sequence, `cu_seqlens`), from the
-    forward's output and log-sum-exp; the gradients scattered back to the flat rows (0 on padding)."""
-    lse_rows = lse[seq[rows], :, pos[rows]].t().contiguous()  # [heads, R]: flash's varlen layout
+def _flash_backward(grad, q, k, v, out, lse, segments, longest, scale):
+    """Flash attention's varlen backward over every flat row, run by run (`segments`, none longer than `longest`),
+    from the forward's output and log-sum-exp, read and written in place: a run of rows of no sequence (output 0,
+    log-sum-exp +inf) gets gradients 0."""
     philox = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state: unread without dropout
-    longest = index.shape[1]
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        grad[rows].contiguous(), q[rows], k[rows], v[rows], out[rows], lse_rows, cu_seqlens, cu_seqlens, longest,
-        longest, 0.0, True, philox, philox, scale=scale)
-    return tuple(torch.zeros_like(t).index_put_((rows,), g) for t, g in ((q, dq), (k, dk), (v, dv)))
+        grad.contiguous(), q, k, v, out, lse, segments, segments, longest, longest, 0.0, True, philox, philox,
+        scale=scale)
+    return dq, dk, dv
 
 
 def _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, scale, needs_input_grad):
@@ -352,22 +352,22 @@ def flash_backward_agrees(device: torch.device, dtype: torch.dtype, head_dim: in
 
 
 def _flash_matches_reference(device: torch.device, dtype: torch.dtype, d: int) -> bool:
-    """Three sequences (37, 64 and 1 tokens) packed in one row, 4 query heads over 2 KV heads: both backwards of
-    `sequence_attention` from one forward, each gradient within 2% of the largest of the recomputation's."""
-    lengths = torch.tensor([37, 64, 1], device=device)
-    n, longest = int(lengths.sum()), int(lengths.max())
-    starts = torch.cumsum(lengths, 0) - lengths
-    index = (starts[:, None] + torch.arange(longest, device=device)).clamp(max=n - 1)
-    seq = torch.repeat_interleave(torch.arange(3, device=device), lengths)
-    pos = torch.arange(n, device=device) - starts[seq]
-    real, rows = torch.ones(n, dtype=torch.bool, device=device), torch.arange(n, device=device)
-    cu_seqlens = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    """Three sequences (37, 64 and 1 tokens) packed in a row with rows of no sequence between and after them, 4 query
+    heads over 2 KV heads: both backwards of `sequence_attention` from one forward, each gradient within 2% (of the
+    largest) of the recomputation's."""
+    from .exact import sequences  # (here: agents.exact imports this module)
+
+    lengths, gaps = (37, 64, 1), (5, 0, 3)
+    position_ids = torch.cat([torch.cat([torch.arange(n), torch.zeros(gap, dtype=torch.long)])
+                              for n, gap in zip(lengths, gaps)]).to(device)
+    real = torch.cat([torch.arange(n + gap) < n for n, gap in zip(lengths, gaps)]).to(device)
+    layout = sequences(position_ids[None], real[None])
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v, grad = (torch.randn(n, h, d, generator=gen, device=device).to(dtype) for h in (4, 2, 2, 4))
-    out, lse = torch.ops.mt_env.exact_sequence_attention(q, k, v, index, lengths, seq, pos, real, rows, cu_seqlens,
-                                                         d ** -0.5)
-    flash = _flash_backward(grad, q, k, v, out, lse, index, seq, pos, rows, cu_seqlens, d ** -0.5)
-    reference = _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, d ** -0.5, (True,) * 3)
+    q, k, v, grad = (torch.randn(len(real), h, d, generator=gen, device=device).to(dtype) for h in (4, 2, 2, 4))
+    fields = (layout.index, layout.lengths, layout.seq, layout.pos, layout.real)
+    out, lse = torch.ops.mt_env.exact_sequence_attention(q, k, v, *fields, layout.segments, d ** -0.5)
+    flash = _flash_backward(grad, q, k, v, out, lse, layout.segments, layout.index.shape[1], d ** -0.5)
+    reference = _reference_backward(grad, q, k, v, *fields, d ** -0.5, (True,) * 3)
     return all(bool((a.float() - b.float()).abs().max() <= 0.02 * b.float().abs().max()) and bool(a.isfinite().all())
                for a, b in zip(flash, reference))
 

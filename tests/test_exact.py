@@ -468,7 +468,7 @@ def test_the_layout_of_a_padded_batch_and_of_rows_that_continue_a_sequence():
     """Left padding, a sequence per row; and a sequence run on from one row into the next (flat order)."""
     layout = exact.sequences(torch.tensor([[0, 0, 1, 2], [0, 1, 2, 3]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))
     assert layout.lengths.tolist() == [3, 4] and layout.index.tolist() == [[1, 2, 3, 4], [4, 5, 6, 7]]
-    assert layout.rows.tolist() == [1, 2, 3, 4, 5, 6, 7] and layout.cu_seqlens.tolist() == [0, 3, 7]
+    assert layout.segments.tolist() == [0, 1, 4, 8]  # the padding token, then the two sequences
     layout = exact.sequences(torch.tensor([[0, 1], [2, 0]]), torch.ones(2, 2).bool())
     assert layout.lengths.tolist() == [3, 1] and layout.seq.tolist() == [0, 0, 0, 1]
 
@@ -493,7 +493,8 @@ def _runs_from_zero(positions: list[int], real: list[bool]) -> list[int] | None:
 @given(cells=st.lists(st.tuples(st.integers(0, 3), st.booleans()), min_size=1, max_size=24), rows=st.integers(1, 3))
 def test_the_layout_accepts_exactly_the_runs_from_zero(cells, rows):
     """Any positions and padding, in `rows` rows: `exact.sequences` refuses (ValueError) exactly what the scan does,
-    and otherwise its lengths and boundaries are the scan's."""
+    and otherwise its lengths are the scan's and its segments cut every token into runs: each sequence one, the
+    tokens of none in runs of at most the longest sequence."""
     width = -(-len(cells) // rows)
     cells = cells + [(0, False)] * (rows * width - len(cells))
     positions, real = torch.tensor([p for p, _ in cells]), torch.tensor([r for _, r in cells])
@@ -504,5 +505,10 @@ def test_the_layout_accepts_exactly_the_runs_from_zero(cells, rows):
         return
     layout = exact.sequences(positions.view(rows, width), real.view(rows, width))
     assert layout.lengths.tolist() == expected
-    assert layout.cu_seqlens.tolist() == [sum(expected[:i]) for i in range(len(expected) + 1)]
-    assert layout.rows.tolist() == torch.nonzero(real).squeeze(1).tolist()
+    # the segments: every token in one, in order; a sequence is one; the others hold no real token, at most L each
+    bounds = layout.segments.tolist()
+    assert bounds[0] == 0 and bounds[-1] == len(cells) and bounds == sorted(set(bounds))
+    starts = torch.nonzero(real & (positions == 0)).squeeze(1).tolist()
+    assert all((start, start + n) in zip(bounds, bounds[1:]) for start, n in zip(starts, expected))
+    for a, b in zip(bounds, bounds[1:]):
+        assert a in starts or (not real[a:b].any() and b - a <= max(expected))

@@ -155,7 +155,7 @@ def test_the_trainers_attention_has_the_engines_bits_and_the_references_gradient
     d = data.draw(st.sampled_from([8, 64]))
     seed, N = data.draw(st.integers(0, 2**16)), len(rows) * width
     q, k, v = (randn(N, h, d, seed=seed + i, dtype=dtype) for i, h in enumerate((kv_heads * group, kv_heads, kv_heads)))
-    fields = (layout.index, layout.lengths, layout.seq, layout.pos, layout.real, layout.rows, layout.cu_seqlens)
+    fields = (layout.index, layout.lengths, layout.seq, layout.pos, layout.real, layout.segments)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     got = triton_exact.sequence_attention(*leaves, *fields, d ** -0.5)
     S, L = layout.index.shape
