@@ -10,6 +10,8 @@ is the host's: Python, the dispatcher, the launches. Measured with exact mode on
    as the smoke recipe runs them (off: ``trainer.compile``; on: where exact mode compiles them): milliseconds an
    iteration, and the device kernels each launched (torch.profiler).
 3. ``--cprofile N``: the N Python functions of most own time over `--iters` iterations of each mode (cProfile).
+4. ``--ops N``: the N operations of most host time in one iteration of each mode (torch.profiler's self CPU time,
+   by operation: a custom op's dispatch, a launch, an ATen call), without cProfile's per-call inflation.
 
     python benchmarks/exact_host.py --device cuda                  # bash benchmarks/run_gpu.sh exact_host
     python benchmarks/exact_host.py --device cpu --model tiny --iters 3
@@ -85,15 +87,21 @@ def micro_batch(args, vocab: int, device: torch.device):
     return collate(samples, pad_token_id=0).to(device)
 
 
-def kernels_launched(fn, device: torch.device) -> int | None:
-    if device.type != "cuda":
-        return None
+def kernels_launched(fn, device: torch.device, ops: int = 0) -> int | None:
+    """The device kernels one call of `fn` launches (None off CUDA); with `ops`, also print the `ops` operations of
+    most host (self CPU) time in that call, by torch.profiler: the dispatcher's view, where cProfile sees Python."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = device.type == "cuda"
+    if not (cuda or ops):
+        return None
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         fn()
         _sync(device)
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    if ops:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=ops, max_name_column_width=50),
+              flush=True)
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
 
 
 def update_host(lm, args, device: torch.device, on: bool) -> dict:
@@ -105,7 +113,7 @@ def update_host(lm, args, device: torch.device, on: bool) -> dict:
     for _ in range(3):  # compilation
         step()
     ms = per_call_us(step, device, args.iters) / 1e3
-    figures = {"ms": ms, "kernels": kernels_launched(step, device)}
+    figures = {"ms": ms, "kernels": kernels_launched(step, device, args.ops)}
     print(f"  exact {'on ' if on else 'off'}: {ms:8.2f} ms an iteration, {figures['kernels']} kernels", flush=True)
     if args.cprofile:
         profiler = cProfile.Profile()
@@ -130,6 +138,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--calls", type=int, default=300, help="matmul calls timed per path")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N functions of most own time")
+    ap.add_argument("--ops", type=int, default=0, metavar="N",
+                    help="print the N operations of most host time in one iteration (torch.profiler)")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -125,7 +125,7 @@ case "${1:-}" in
       grep -A6 "the device waited in .*update" "$EXP/profile_exact_$on.txt"
     done ;;
   exact_host)  # an experiment: where the exact update's host time goes (docs/exact.md)
-    timeout "${EXACT_HOST_S:-300}" python3 benchmarks/exact_host.py --device cuda --cprofile 45 2>&1 \
+    timeout "${EXACT_HOST_S:-300}" python3 benchmarks/exact_host.py --device cuda --cprofile 20 --ops 30 2>&1 \
       | grep -v "Warn\|warn" | tail -140; echo "exact_host rc=${PIPESTATUS[0]}" ;;
   step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
     # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
