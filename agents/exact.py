@@ -456,26 +456,27 @@ def ops(on: bool = True):
     """A context in which the module's linears, SiLU and RMSNorm's mean run as exact operations (a no-op context
     when not `on`, or when this thread is in one already: compiled code guards on the mode stack, so a nested entry
     would compile it again)."""
-    if not on or any(isinstance(mode, _ExactOps) for mode in _get_current_function_mode_stack()):
+    if not on or routes():
         return contextlib.nullcontext()
     _load_kernels()
     return _ExactOps()
 
 
 def routes() -> bool:
-    """Whether this thread's innermost torch function mode is exact mode's routing (`ops`)."""
-    stack = _get_current_function_mode_stack()
-    return bool(stack) and isinstance(stack[-1], _ExactOps)
+    """Whether exact mode's routing (`ops`) is active on this thread."""
+    return any(isinstance(mode, _ExactOps) for mode in _get_current_function_mode_stack())
 
 
 @contextlib.contextmanager
 def routed_inside(on: bool):
-    """For calling compiled code that routes its own operations (`routing` inside the compiled function): exact
-    mode's routing (`on`: it is this thread's innermost mode) is set aside for the call. Compiled code that runs under
-    a torch function mode sends every operation of its Python wrappers through the mode's ``__torch_function__``
-    (about 170 a layer's forward: autograd's views, grad mode, detaches), each a round trip into Python; traced
-    inside the compiled function, the routing is in the graph and costs nothing at run time."""
-    if not on:
+    """For calling compiled code that routes its own operations (`routing` inside the compiled function): where `on`
+    and exact mode's routing is this thread's innermost torch function mode, it is set aside for the call. Compiled
+    code that runs under a torch function mode sends every operation of its Python wrappers through the mode's
+    ``__torch_function__`` (about 170 a layer's forward: autograd's views, grad mode, detaches), each a round trip
+    into Python; traced inside the compiled function, the routing is in the graph and costs nothing at run time.
+    (Under another mode pushed after it, the routing stays: the compiled code routes twice, the same bits, slower.)"""
+    stack = _get_current_function_mode_stack()
+    if not (on and stack and isinstance(stack[-1], _ExactOps)):
         yield
         return
     with torch.overrides._pop_mode_temporarily():
