@@ -472,7 +472,7 @@ def routed_inside(on: bool):
     """For calling compiled code that routes its own operations (`routing` inside the compiled function): where `on`
     and exact mode's routing is this thread's innermost torch function mode, it is set aside for the call. Compiled
     code that runs under a torch function mode sends every operation of its Python wrappers through the mode's
-    ``__torch_function__`` (about 170 a layer's forward: autograd's views, grad mode, detaches), each a round trip
+    ``__torch_function__`` (about 145 a layer's call: autograd's views, grad mode, detaches), each a round trip
     into Python; traced inside the compiled function, the routing is in the graph and costs nothing at run time.
     (Under another mode pushed after it, the routing stays: the compiled code routes twice, the same bits, slower.)"""
     stack = _get_current_function_mode_stack()
