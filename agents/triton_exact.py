@@ -31,7 +31,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_matmul import REFERENCE, forward_bits_in_recompute, matmul  # noqa: F401  (`agents.exact` calls them)
+from .triton_matmul import REFERENCE, cdiv, next_power_of_2
+from .triton_matmul import forward_bits_in_recompute, matmul  # noqa: F401  (`agents.exact` calls them)
 
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64
@@ -229,10 +230,10 @@ def _launch(q, k, v, q_pos, k_len, k_index, out, lse, S: int, Tq: int, q_strides
     if S == 0 or Tq == 0 or Tk == 0:
         return
     group = heads // kv_heads
-    grid = (triton.cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
+    grid = (cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
     _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides, *k_strides,
                             *v_strides, *out_strides, q_pos.stride(0), index.stride(0), *lse_strides,
-                            GROUP=group, DIM=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
+                            GROUP=group, DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
                             BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
                             FLAT_QUERIES=flat_queries, STATIC_KEYS=Tk if _INTERPRETED else 0,
                             INTERPRETED=_INTERPRETED, num_warps=4, num_stages=2)
@@ -437,7 +438,7 @@ def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0] and n:
-        block = min(SUM_BLOCK, triton.next_power_of_2(n))
+        block = min(SUM_BLOCK, next_power_of_2(n))
         _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=block, LEVELS=block.bit_length() - 1,
                                           STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                                           num_warps=4 if block >= 512 else 1)
@@ -487,7 +488,7 @@ def _softmax_stats_op(x: torch.Tensor, temperature: torch.Tensor) -> torch.Tenso
     temperature = temperature.to(torch.float32).contiguous()
     out = torch.empty(x.shape[0], 3, dtype=torch.float32, device=x.device)
     if x.shape[0]:
-        block = min(SUM_BLOCK, triton.next_power_of_2(n))
+        block = min(SUM_BLOCK, next_power_of_2(n))
         _softmax_stats_kernel[(x.shape[0],)](x, temperature, out, n, x.stride(0), BLOCK=block,
                                              LEVELS=block.bit_length() - 1, STATIC_N=n if _INTERPRETED else 0,
                                              INTERPRETED=_INTERPRETED,

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .triton_exact import _INTERPRETED, _halving_sum
+from .triton_matmul import next_power_of_2
 
 @triton.jit
 def _block_weights(x_ptr, start, n, temperature, top, BLOCK: tl.constexpr):
@@ -81,7 +82,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top: torch.Tensor, u
     n = logits.shape[1]
     out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
     if logits.shape[0]:
-        block = min(block, triton.next_power_of_2(n))
+        block = min(block, next_power_of_2(n))
         _sample_kernel[(logits.shape[0],)](logits, temperature.to(torch.float32).contiguous(), top, uniform, out, n,
                                            logits.stride(0), top.stride(0), BLOCK=block,
                                            LEVELS=block.bit_length() - 1, STATIC_N=n if _INTERPRETED else 0,
