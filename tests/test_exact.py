@@ -12,6 +12,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -303,6 +304,29 @@ def test_lora_adapters_keep_the_bits_equal():
     prompts = prompts_of(6, seed=3)
     turns, _ = generate(model, prompts, params_of(len(prompts)), exact=True, max_batch_size=4)
     assert_exact(PolicyModel(model, exact=True), batch_of(prompts, turns), micros=(1, 100))
+
+
+def test_compiled_code_is_called_with_the_routing_set_aside_only_where_it_is_the_innermost_mode():
+    """`exact.routed_inside`: under `ops()` the routing is set aside for the call (the compiled function enters its
+    own), and back after it; under a mode pushed after the routing it stays (the compiled code routes twice: the same
+    bits); off, nothing changes. `routes()` sees the routing anywhere on the stack."""
+    from torch.overrides import TorchFunctionMode
+
+    x = torch.randn(3, 5)
+    assert not exact.routes()
+    with exact.ops():
+        assert exact.routes()
+        with exact.routed_inside(True):
+            assert not exact.routes()
+            with exact.routing(True):  # what the compiled function does inside
+                assert exact.routes() and torch.equal(F.silu(x), exact.silu(x))
+        assert exact.routes()
+        with TorchFunctionMode(), exact.routed_inside(True):
+            assert exact.routes()
+        with exact.routed_inside(False):
+            assert exact.routes()
+    with exact.routed_inside(True):
+        assert not exact.routes()
 
 
 def test_activation_checkpointing_recomputes_the_layers_under_exact_operations():
