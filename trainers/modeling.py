@@ -202,12 +202,13 @@ def compile_layers(lm: nn.Module) -> None:
 
 def _layer_forward(forward, exact_ops: bool, layer: nn.Module, *args, **kwargs):
     """The compiled function: the layer class's `forward`, the layer as an argument (so every layer shares it),
-    under exact mode's routing where `exact_ops` (entered inside the graph: `agents.exact.routed_inside`)."""
+    under exact mode's routing where `exact_ops`, entered inside the graph (`_run_compiled` sets the caller's aside)."""
     with exact.routing(exact_ops):
         return forward(layer, *args, **kwargs)
 
 
 def _run_compiled(forward, exact_ops: bool, layer: nn.Module, *args, **kwargs):
+    """`_layer_forward` compiled, called with this thread's exact routing set aside (`agents.exact.routed_inside`)."""
     with exact.routed_inside(exact_ops):
         return compiled(_layer_forward)(forward, exact_ops, layer, *args, **kwargs)
 
