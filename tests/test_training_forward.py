@@ -115,6 +115,22 @@ def test_compiled_layers_under_activation_checkpointing_compile_and_give_the_eag
         torch.testing.assert_close(g_c, g, atol=1e-5, rtol=1e-4)
 
 
+def test_the_compiled_forward_is_the_layer_classs_own_under_any_number_of_checkpointing_wrappers():
+    """`_own_forward` unwraps transformers' checkpointing wrapper, also where a subclass (FSDP2's ``FSDP<Layer>``)
+    wraps the wrapper again, and leaves a forward without one as it is."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaMLP
+
+    from trainers.modeling import _own_forward
+
+    class Wrapped(LlamaDecoderLayer):  # as FSDP2 subclasses a layer: transformers wraps its forward once more
+        pass
+
+    own, checkpoints = _own_forward(LlamaDecoderLayer)
+    assert checkpoints == (LlamaDecoderLayer.forward is not own)
+    assert _own_forward(Wrapped) == (own, checkpoints)
+    assert _own_forward(LlamaMLP) == (LlamaMLP.forward, False)
+
+
 def test_the_new_update_path_equals_todays(layer_compiler):
     """`trainers.ppo.update` as today (micro-batches of rows, the LM head over all scored tokens at once, eager
     layers) and with micro-batches by tokens, LM-head chunks and compiled layers: the same loss terms and the same
