@@ -130,7 +130,7 @@ def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torc
 
 @_attention_op.register_fake
 def _(q, k, v, q_pos, k_len, scale, k_index):
-    _check_attention(q, k, v, k_index)
+    _check_attention(q.shape, q.dtype, k, v, k_index)
     return q.new_empty(q.shape, dtype=torch.float32)
 
 
@@ -156,17 +156,19 @@ def _attention_backward(ctx, grad):
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
 
 
-def _check_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_index: torch.Tensor | None) -> None:
-    S, heads, Tq, d = q.shape
+def _check_attention(q_shape: tuple, dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor,
+                     k_index: torch.Tensor | None) -> None:
+    """ValueError unless queries of `q_shape` [S, heads, Tq, d] and `dtype` fit keys and values `k`, `v`."""
+    S, heads, Tq, d = q_shape
     flat = k_index is not None  # [rows, kv_heads, d] rather than [S, kv_heads, Tk, d]: kv_heads is dim 1 of both
     if k.dim() != (3 if flat else 4) or k.shape != v.shape or k.shape[-1] != d or heads % k.shape[1]:
         raise ValueError(f"exact attention: q [S, heads, Tq, d], k and v [S, kv_heads, Tk, d] (with k_index: "
-                         f"[rows, kv_heads, d]) with kv_heads dividing heads, got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"[rows, kv_heads, d]) with kv_heads dividing heads, got {tuple(q_shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     if flat and (k_index.dim() != 2 or k_index.shape[0] != S):
         raise ValueError(f"exact attention: k_index [S, Tk] for q of S = {S}, got {tuple(k_index.shape)}")
-    if q.dtype not in DTYPES or d < 1:  # (a head_dim under 16 is padded to 16 with masked zeros: BLOCK_D)
-        raise ValueError(f"exact attention: dtype of {list(DTYPES)} and head_dim >= 1, got {q.dtype}, {d}")
+    if dtype not in DTYPES or d < 1:  # (a head_dim under 16 is padded to 16 with masked zeros: BLOCK_D)
+        raise ValueError(f"exact attention: dtype of {list(DTYPES)} and head_dim >= 1, got {dtype}, {d}")
 
 
 def _reference(q, k, v, q_pos, k_len, scale):
@@ -185,7 +187,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
                scale: float, k_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention`'s output, and each (sequence, head, query) row's log-sum-exp of its scaled scores [S, heads, Tq]
     (float32; +inf for a row that sees no key): what flash attention's backward takes."""
-    _check_attention(q, k, v, k_index)
+    _check_attention(q.shape, q.dtype, k, v, k_index)
     S, heads, Tq, d = q.shape
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
@@ -203,7 +205,7 @@ def _flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     queries, cast) and each query's log-sum-exp [heads, N] (+inf on rows of no sequence: flash attention's varlen
     layout). No gather of the queries, no scatter of the outputs."""
     S, L = index.shape
-    _check_attention(q.new_empty(S, q.shape[1], L, q.shape[2], device="meta"), k, v, index)
+    _check_attention((S, q.shape[1], L, q.shape[2]), q.dtype, k, v, index)
     q = q if q.stride(-1) == 1 else q.contiguous()
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
@@ -264,7 +266,7 @@ def _sequence_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch
 
 @_sequence_op.register_fake
 def _(q, k, v, index, lengths, seq, pos, real, segments, scale):
-    _check_attention(q.new_empty(index.shape[0], q.shape[1], index.shape[1], q.shape[2]), k, v, index)
+    _check_attention((index.shape[0], q.shape[1], index.shape[1], q.shape[2]), q.dtype, k, v, index)
     return q.new_empty(q.shape), q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
 
 
@@ -287,10 +289,9 @@ def _flash_backward(grad, q, k, v, out, lse, segments, longest, scale):
     from the forward's output and log-sum-exp, read and written in place: a run of rows of no sequence (output 0,
     log-sum-exp +inf) gets gradients 0."""
     philox = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the RNG state: unread without dropout
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+    return torch.ops.aten._flash_attention_backward(
         grad.contiguous(), q, k, v, out, lse, segments, segments, longest, longest, 0.0, True, philox, philox,
-        scale=scale)
-    return dq, dk, dv
+        scale=scale)  # (dq, dk, dv)
 
 
 def _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, scale, needs_input_grad):
