@@ -11,8 +11,9 @@ the reference does:
 
 * ``"pointer"`` tiles: a program per output tile, loads by pointer (any strides). The reference, and `SMALL` for
   calls of few rows where the reference's tiles would leave most of the GPU idle (decode).
-* ``"tma"`` tiles: persistent programs (one per SM) that load and store by TMA descriptors, Hopper and later, for
-  calls of at least `LARGE_M` rows (prefill, the trainer) whose operands TMA can read (`_tma_ready`).
+* ``"tma"`` tiles: persistent programs (one per SM) that load and store by TMA descriptors (made by the kernel),
+  Hopper and later, for calls of at least `LARGE_M` rows (prefill, the trainer) whose operands TMA can read
+  (`_tma_ready`).
 
 Programs take tiles in groups of `Tile.group_m` tiles down M, across N within a group: the weight's tiles and the
 rows' tiles in flight both stay in L2 (down M alone re-read a 32k-row x from memory once per column of tiles).
@@ -118,9 +119,16 @@ def _tma_tile(x_desc, w_desc, out_desc, program, tiles_m, tiles_n, K, BLOCK_M: t
 
 
 @triton.jit(do_not_specialize=["M"])
-def _tma_kernel(x_desc, w_desc, out_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr, STATIC_K: tl.constexpr,
-                STATIC_TILES: tl.constexpr, STATIC_PROGRAMS: tl.constexpr, INTERPRETED: tl.constexpr):
+def _tma_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, IEEE: tl.constexpr,
+                STATIC_K: tl.constexpr, STATIC_TILES: tl.constexpr, STATIC_PROGRAMS: tl.constexpr,
+                INTERPRETED: tl.constexpr):
+    # the descriptors are made here, on the device (in global memory Triton asks `_scratch` for at each launch):
+    # made on the host, each cost a Python object and an encoding in Triton's launcher, three a call
+    x_desc = tl.make_tensor_descriptor(x_ptr, shape=[M, K], strides=[stride_xm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    w_desc = tl.make_tensor_descriptor(w_ptr, shape=[N, K], strides=[stride_wn, 1], block_shape=[BLOCK_N, BLOCK_K])
+    out_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, N], strides=[stride_om, 1],
+                                         block_shape=[BLOCK_M, BLOCK_N])
     # the programs step by their count, read at run time: as a constant it would follow M wherever a call makes
     # fewer tiles than there are SMs, and each new value would compile the kernel again (a second or so, mid-step)
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -247,15 +255,19 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile)
         _pointer_kernel[(tiles,)](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
                                   weight.stride(1), out.stride(0), **consts)
         return out
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     programs = min(tiles, _processors(x.device))
-    _tma_kernel[(programs,)](TensorDescriptor.from_tensor(x, [tile.block_m, tile.block_k]),
-                             TensorDescriptor.from_tensor(weight, [tile.block_n, tile.block_k]),
-                             TensorDescriptor.from_tensor(out, [tile.block_m, tile.block_n]), M, N, K,
+    triton.set_allocator(_scratch)  # (a context variable: set at each launch, it holds on every thread and task)
+    _tma_kernel[(programs,)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
                              STATIC_TILES=tiles if _INTERPRETED else 0,
                              STATIC_PROGRAMS=programs if _INTERPRETED else 0, **consts)
     return out
+
+
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    """Global memory for a launch of the TMA kernel, where its programs write their descriptors (Triton's allocator
+    protocol; on the current CUDA device, where Triton launches): the caching allocator's, freed after the launch in
+    stream order."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:

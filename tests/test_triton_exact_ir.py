@@ -67,7 +67,7 @@ def test_the_row_kernels_add_in_pairs_whatever_the_layout(name, dtype, block):
 def test_the_matmuls_large_tiles_compile_for_sm90_to_tma_loads_and_wgmma(which):
     """The persistent kernel of exact mode's large tiles (`agents.triton_matmul.LARGE`) compiles for an H100 without
     a GPU, its operands loaded by TMA and multiplied by wgmma (what the tiles are for), within the SM's shared
-    memory."""
+    memory; its descriptors made by the kernel, in the global memory Triton asks `triton_matmul._scratch` for."""
     import torch
 
     from agents import triton_matmul
@@ -75,11 +75,10 @@ def test_the_matmuls_large_tiles_compile_for_sm90_to_tma_loads_and_wgmma(which):
     tile = triton_matmul.LARGE[torch.bfloat16][which]
     consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                   IEEE=False, STATIC_K=0, STATIC_TILES=0, STATIC_PROGRAMS=0, INTERPRETED=False)
-    signature = dict(x_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_k}]>",
-                     w_desc=f"tensordesc<bf16[{tile.block_n},{tile.block_k}]>",
-                     out_desc=f"tensordesc<bf16[{tile.block_m},{tile.block_n}]>", M="i32", N="i32", K="i32",
-                     **{name: "constexpr" for name in consts})
-    source = ASTSource(fn=triton_matmul._tma_kernel, signature=signature, constexprs=consts)
+    signature = dict(x_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", M="i32", N="i32", K="i32", stride_xm="i32",
+                     stride_wn="i32", stride_om="i32", **{name: "constexpr" for name in consts})
+    aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 6, 7, 8)}  # bases and row strides (`_tma_ready`)
+    source = ASTSource(fn=triton_matmul._tma_kernel, signature=signature, constexprs=consts, attrs=aligned)
     try:
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 128),
                                   options={"num_warps": tile.warps, "num_stages": tile.stages})
@@ -87,4 +86,5 @@ def test_the_matmuls_large_tiles_compile_for_sm90_to_tma_loads_and_wgmma(which):
         pytest.skip(f"Triton cannot compile for sm_90 here: {error}")
     ir = compiled.asm["ttgir"]
     assert "async_tma_copy_global_to_local" in ir and "warp_group_dot" in ir
+    assert "tensormap_create" in ir and compiled.metadata.global_scratch_size > 0  # descriptors made on the device
     assert compiled.metadata.shared <= 227 * 1024  # an H100's shared memory per block
