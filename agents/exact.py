@@ -455,10 +455,12 @@ def _last_dim_mean(args: tuple, kwargs: dict) -> bool:
 def ops(on: bool = True):
     """A context in which the module's linears, SiLU and RMSNorm's mean run as exact operations (a no-op context
     when not `on`, or when this thread is in one already: compiled code guards on the mode stack, so a nested entry
-    would compile it again)."""
+    would compile it again). Both sides enter it on the thread that runs the model (the trainer's recompute too)."""
     if not on or routes():
         return contextlib.nullcontext()
-    _load_kernels()
+    kernels = _load_kernels()
+    if kernels is not None:  # (Triton's allocator for the kernels compiled code launches on this thread)
+        kernels.use_scratch()
     return _ExactOps()
 
 

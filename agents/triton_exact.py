@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .triton_matmul import REFERENCE, cdiv, next_power_of_2
-from .triton_matmul import forward_bits_in_recompute, matmul  # noqa: F401  (`agents.exact` calls them)
+from .triton_matmul import forward_bits_in_recompute, matmul, use_scratch  # noqa: F401  (`agents.exact` calls them)
 
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
 KEY_BLOCK = 64

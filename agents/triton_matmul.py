@@ -18,7 +18,9 @@ the reference does:
 Programs take tiles in groups of `Tile.group_m` tiles down M, across N within a group: the weight's tiles and the
 rows' tiles in flight both stay in L2 (down M alone re-read a 32k-row x from memory once per column of tiles).
 Inside a backward (activation checkpointing's recompute, whose values only feed gradients) the product is cuBLAS's,
-except under `forward_bits_in_recompute` (a recompute that must give the forward's bits).
+except under `forward_bits_in_recompute` (a recompute that must give the forward's bits). In compiled code on CUDA
+with `INLINE` on, the kernel is traced into the graph and Inductor launches it (`_inline`; its recompute then runs
+the kernel too).
 Under Triton's interpreter (``TRITON_INTERPRET=1``) loop bounds are constants (`STATIC_*`), with the same masks.
 """
 
@@ -34,8 +36,14 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+from torch.library import wrap_triton
+from torch.utils._python_dispatch import _disable_current_modes
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+#: in compiled code on CUDA, the kernel traced into the graph and launched by Inductor (`_inline`); off by default
+#: until a GPU has measured it (docs/exact.md, the fifteenth session): ``MT_ENV_EXACT_INLINE_MATMUL=1`` turns it on
+INLINE = os.environ.get("MT_ENV_EXACT_INLINE_MATMUL", "0") == "1"
 _IN_RECOMPUTE = threading.local()  #: `forward_bits_in_recompute`'s switch (on the thread the recompute runs on)
 
 
@@ -176,6 +184,27 @@ def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
+def _inline(mode, op, types, args, kwargs):
+    """The op under AOTAutograd's functional tracing (compiled code). Where `_inlines`, its body is traced in its
+    place: the kernel becomes a node of the graph that Inductor launches from its own wrapper, the tile chosen at
+    trace time (its thresholds on M become guards of the graph), with no custom-op dispatch, tile choice or Triton
+    launcher in Python at run time; and the recompute of activation checkpointing runs the exact kernel too (the
+    same graph). `torch.library.triton_op` does this on every device, and the interpreter's kernels cannot be
+    traced: hence a rule of our own. Elsewhere the op stays one opaque call."""
+    x, weight = args
+    if not _inlines(x):
+        return mode.__torch_dispatch__(op, types, args, kwargs)
+    with mode:
+        return _matmul(x, weight, traced=True)
+
+
+def _inlines(x: torch.Tensor) -> bool:
+    return INLINE and x.device.type == "cuda" and not _INTERPRETED
+
+
+_matmul_op.register_torch_dispatch(FunctionalTensorMode, _inline)
+
+
 def _matmul_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
@@ -197,7 +226,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
                          f"{weight.dtype}")
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _matmul(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> torch.Tensor:
+    """The product by the kernel; `traced`: under `_inline`'s tracing (fake tensors, the launch a graph node)."""
     _check(x, weight)
     (M, K), N = x.shape, weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -205,21 +235,21 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     if K == 0:
         return out.zero_()
-    return launch(x, weight, out, tile_for(x, weight))
+    return launch(x, weight, out, tile_for(x, weight, traced), traced)
 
 
-def tile_for(x: torch.Tensor, weight: torch.Tensor) -> Tile:
+def tile_for(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> Tile:
     """The tile of ``x @ weight.T`` (`SMALL` or `LARGE` by the call's shape, each where it gives the reference's bits
     on this device; else `REFERENCE`). Why these: docs/exact.md, "The matmul's tiles, chosen by shape"."""
     M, N, dtype = x.shape[0], weight.shape[0], x.dtype
-    if M >= LARGE_M and dtype in LARGE and _tma_ready(x, weight):
+    if M >= LARGE_M and dtype in LARGE and _tma_ready(x, weight, traced):
         *sized, last = LARGE[dtype]
         for tile in [t for t in sized if _fills(t, M, N, x.device)] + [last]:
-            if _agrees(x.device, dtype, tile):
+            if _agrees(x.device, dtype, tile, traced):
                 return tile
     if dtype in SMALL and _tiles(REFERENCE[dtype], M, N) < FULL:
         tile = next((tile for rows, tile in SMALL[dtype] if M <= rows), None)
-        if tile is not None and _agrees(x.device, dtype, tile):
+        if tile is not None and _agrees(x.device, dtype, tile, traced):
             return tile
     return REFERENCE[dtype]
 
@@ -240,27 +270,38 @@ def next_power_of_2(n: int) -> int:
 
 
 def _fills(tile: Tile, M: int, N: int, device: torch.device) -> bool:
-    """Whether `tile` makes at least 1.5 tiles per SM of an [M, N] output and pads N by at most a quarter."""
-    return _tiles(tile, M, N) >= 1.5 * _processors(device) and -N % tile.block_n <= N / 4
+    """Whether `tile` pads N by at most a quarter and makes at least 1.5 tiles per SM of an [M, N] output (in this
+    order: traced, the second is a guard on M, made only where the first holds)."""
+    return -N % tile.block_n <= N / 4 and _tiles(tile, M, N) >= 1.5 * _processors(device)
 
 
-def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile) -> torch.Tensor:
-    """Write ``x @ weight.T`` into `out` (fresh, contiguous) under `tile`: the kernel itself, no choice made."""
+def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile, traced: bool = False) -> torch.Tensor:
+    """Write ``x @ weight.T`` into `out` (fresh, contiguous) under `tile`: the kernel itself, no choice made;
+    `traced`: the launch recorded as a node of the graph being traced (`torch.library.wrap_triton`)."""
+    pointer_kernel, tma_kernel = (wrap_triton(_pointer_kernel), wrap_triton(_tma_kernel)) if traced else \
+        (_pointer_kernel, _tma_kernel)
     (M, K), N = x.shape, weight.shape[0]
     consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                   IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
                   num_warps=tile.warps, num_stages=tile.stages)
     tiles = _tiles(tile, M, N)
     if tile.kernel == "pointer":
-        _pointer_kernel[(tiles,)](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
-                                  weight.stride(1), out.stride(0), **consts)
+        pointer_kernel[(tiles,)](x, weight, out, M, N, K, x.stride(0), x.stride(1), weight.stride(0),
+                                 weight.stride(1), out.stride(0), **consts)
         return out
-    programs = min(tiles, _processors(x.device))
-    triton.set_allocator(_scratch)  # (a context variable: set at each launch, it holds on every thread and task)
-    _tma_kernel[(programs,)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
-                             STATIC_TILES=tiles if _INTERPRETED else 0,
-                             STATIC_PROGRAMS=programs if _INTERPRETED else 0, **consts)
+    programs = torch.sym_min(tiles, _processors(x.device))  # (traced: no guard on M)
+    use_scratch()
+    tma_kernel[(programs,)](x, weight, out, M, N, K, x.stride(0), weight.stride(0), out.stride(0),
+                            STATIC_TILES=tiles if _INTERPRETED else 0,
+                            STATIC_PROGRAMS=programs if _INTERPRETED else 0, **consts)
     return out
+
+
+def use_scratch() -> None:
+    """Let the TMA kernel's launches on this thread (and its tasks) take their global memory from `_scratch`:
+    Triton's allocator is a context variable, unset on a new thread. Each eager launch sets it; `agents.exact.ops`
+    does on entry, for the launches of compiled code (`_inline`), which Triton's launcher makes."""
+    triton.set_allocator(_scratch)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -270,19 +311,21 @@ def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _tma_ready(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def _tma_ready(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> bool:
     """Whether TMA can read `x` and `weight` and write their product on their device: a Hopper or later GPU (or the
     interpreter, which counts strides in elements), rows contiguous, row strides (the output's: N) and base
-    addresses 16-byte aligned."""
-    if x.device.type == "cuda":
-        if _cuda_facts(x.device.index)[0] < 9:
-            return False
-    elif not _INTERPRETED:
+    addresses 16-byte aligned (`traced`: storage offsets, the storages' own alignment being the allocator's)."""
+    if not _tma_device(x.device):
         return False
     unit = 1 if _INTERPRETED else x.element_size()
     strides = (x.stride(0), weight.stride(0), weight.shape[0])
-    return (x.stride(1) == 1 and weight.stride(1) == 1 and all(s * unit % 16 == 0 for s in strides)
-            and x.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
+    bases = (x.storage_offset() * unit, weight.storage_offset() * unit) if traced else (x.data_ptr(), weight.data_ptr())
+    return x.stride(1) == 1 and weight.stride(1) == 1 and all(s * unit % 16 == 0 for s in (*strides, *bases))
+
+
+def _tma_device(device: torch.device) -> bool:
+    """A Hopper or later GPU, or the interpreter."""
+    return _cuda_facts(device.index)[0] >= 9 if device.type == "cuda" else _INTERPRETED
 
 
 def _processors(device: torch.device) -> int:
@@ -301,22 +344,28 @@ _AGREES: dict[tuple[str, int | None, torch.dtype, Tile], bool] = {}
 _PROBE = (512, 640, 320)  #: (M, K, N) of `_agrees`' product: whole and partial tiles, 10 steps over K for bf16
 
 
-def _agrees(device: torch.device, dtype: torch.dtype, tile: Tile) -> bool:
+def _agrees(device: torch.device, dtype: torch.dtype, tile: Tile, traced: bool = False) -> bool:
     """Whether `tile` gives the reference tile's bits on this device, checked once: a product of random values under
-    both tiles. Where it does not (or cannot run here), the reference serves; a failure to run warns."""
+    both tiles. Where it does not (or cannot run here), the reference serves; a failure to run warns. (`traced`:
+    the check runs outside the tracing's modes, on real tensors.)"""
     key = (device.type, device.index, dtype, tile)
     if key not in _AGREES and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False  # (no check inside a CUDA graph's capture: this call takes the reference, a later one checks)
     if key not in _AGREES:
-        (m, k, n), gen = _PROBE, torch.Generator(device=device).manual_seed(0)
-        x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-        w = torch.randn(n, k, generator=gen, device=device).to(dtype)
-        try:
-            got, want = (launch(x, w, torch.empty(m, n, dtype=dtype, device=device), t)
-                         for t in (tile, REFERENCE[dtype]))
-            _AGREES[key] = torch.equal(got, want)
-        except Exception as exc:  # shared memory, TMA, or this Triton: the reference tile serves
-            warnings.warn(f"exact matmul: the tile {tile} does not run on {device} ({type(exc).__name__}: {exc}); "
-                          f"the reference tile serves")
-            _AGREES[key] = False
+        with _disable_current_modes() if traced else contextlib.nullcontext():
+            _AGREES[key] = _probe(device, dtype, tile)
     return _AGREES[key]
+
+
+def _probe(device: torch.device, dtype: torch.dtype, tile: Tile) -> bool:
+    """`_agrees`' product under `tile` and under the reference, compared bit for bit."""
+    (m, k, n), gen = _PROBE, torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = torch.randn(n, k, generator=gen, device=device).to(dtype)
+    try:
+        got, want = (launch(x, w, torch.empty(m, n, dtype=dtype, device=device), t) for t in (tile, REFERENCE[dtype]))
+        return torch.equal(got, want)
+    except Exception as exc:  # shared memory, TMA, or this Triton: the reference tile serves
+        warnings.warn(f"exact matmul: the tile {tile} does not run on {device} ({type(exc).__name__}: {exc}); the "
+                      "reference tile serves")
+        return False

@@ -12,6 +12,8 @@ is the host's: Python, the dispatcher, the launches. Measured with exact mode on
 3. ``--cprofile N``: the N Python functions of most own time over `--iters` iterations of each mode (cProfile).
 4. ``--ops N``: the N operations of most host time in one iteration of each mode (torch.profiler's self CPU time,
    by operation: a custom op's dispatch, a launch, an ATen call), without cProfile's per-call inflation.
+5. ``--inline``: exact mode a second time with its matmul traced into the compiled layers
+   (`agents.triton_matmul.INLINE`, ``MT_ENV_EXACT_INLINE_MATMUL=1``), compiled afresh.
 
     python benchmarks/exact_host.py --device cuda                  # bash benchmarks/run_gpu.sh exact_host
     python benchmarks/exact_host.py --device cpu --model tiny --iters 3
@@ -104,7 +106,7 @@ def kernels_launched(fn, device: torch.device, ops: int = 0) -> int | None:
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA) if cuda else None
 
 
-def update_host(lm, args, device: torch.device, on: bool) -> dict:
+def update_host(lm, args, device: torch.device, on: bool, label: str) -> dict:
     cfg = Config()
     cfg.trainer.packed, cfg.rollout.temperature = True, 1.0
     policy = PolicyModel(lm, exact=on).train()
@@ -114,7 +116,7 @@ def update_host(lm, args, device: torch.device, on: bool) -> dict:
         step()
     ms = per_call_us(step, device, args.iters) / 1e3
     figures = {"ms": ms, "kernels": kernels_launched(step, device, args.ops)}
-    print(f"  exact {'on ' if on else 'off'}: {ms:8.2f} ms an iteration, {figures['kernels']} kernels", flush=True)
+    print(f"  exact {label}: {ms:8.2f} ms an iteration, {figures['kernels']} kernels", flush=True)
     if args.cprofile:
         profiler = cProfile.Profile()
         profiler.enable()
@@ -140,6 +142,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N functions of most own time")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="print the N operations of most host time in one iteration (torch.profiler)")
+    ap.add_argument("--inline", action="store_true", help="also exact mode with its matmul inlined in compiled code")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -149,14 +152,28 @@ def main(argv=None) -> dict:
         print("one matmul of 16 rows:")
         figures["matmul_us"] = matmul_calls(device, args.calls)
     print(f"the update's forward and backward, {args.sequences} sequences of {args.tokens} tokens packed:")
-    for on in (False, True):  # a model each: the plain one compiled as trainer.compile does, exact mode decides its own
+    modes = [("off", False, False), ("on", True, False)] + [("on, inlined", True, True)] * args.inline
+    for label, on, inline in modes:  # a model each: the plain one compiled as trainer.compile does, exact mode its own
+        _inline_matmul(inline)
         lm = build_causal_lm(**config, dtype=dtype).to(device)
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not on:
             compile_layers(lm)
-        figures[f"update_exact_{'on' if on else 'off'}"] = update_host(lm, args, device, on)
+        figures[f"update_exact_{label.replace(', ', '_')}"] = update_host(lm, args, device, on, label)
         del lm
     return figures
+
+
+def _inline_matmul(on: bool) -> None:
+    """Exact mode's matmul inlined in compiled code or not, from the next compilation: dynamo's caches go (the
+    choice is made when AOTAutograd traces, where dynamo keeps no guard on it)."""
+    try:
+        from agents import triton_matmul
+    except ImportError:  # no Triton: nothing to inline
+        return
+    if triton_matmul.INLINE != on:
+        triton_matmul.INLINE = on
+        torch._dynamo.reset()
 
 
 if __name__ == "__main__":

@@ -32,11 +32,16 @@
 #                                        #   episodes (rollout.max_turns=1: a tool call's second turn, drawn by chance
 #                                        #   with a random model, is not in one run only), 5 steps each
 #                                        #   -> $EXP/rl_step_one_turn_exact_{true,false}.json
+#   bash benchmarks/run_gpu.sh exact_inline  # 1 GPU: exact_one_turn's run with exact mode's matmul inlined in compiled
+#                                        #   code (MT_ENV_EXACT_INLINE_MATMUL=1), then exact on as today, then off
+#                                        #   -> $EXP/rl_step_one_turn_exact_{inline,true,false}.json (its tests:
+#                                        #   MT_ENV_EXACT_INLINE_MATMUL=1 bash benchmarks/run_gpu.sh exact_tests)
 #   bash benchmarks/run_gpu.sh exact_profile [true|false]  # 1 GPU: exact on and off (or one), single-turn episodes,
 #                                        #   step 4 of 5 profiled: each phase's costliest kernels and waits
 #                                        #   -> $EXP/profile_exact_{true,false}.txt
 #   bash benchmarks/run_gpu.sh exact_host  # 1 GPU: the host's cost of exact mode's update on a tiny micro-batch, on and
-#                                        #   off, and of one matmul call by each path; cProfile's costliest functions
+#                                        #   off (and on with the matmul inlined), and of one matmul call by each
+#                                        #   path; cProfile's costliest functions, torch.profiler's costliest operations
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
 #                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
 #   bash benchmarks/run_gpu.sh exact_sampler  # 1 GPU: exact mode's sampled logprobs recomputed from the trainer's
@@ -113,6 +118,15 @@ case "${1:-}" in
         --out "$EXP/rl_step_one_turn_exact_$on.json" 2>&1 | grep "^steady\|^rollout's\|^logprob\|^step \|B parameters"
       echo "bench_rl_step one turn, exact $on: rc=${PIPESTATUS[0]}"
     done ;;
+  exact_inline)  # an experiment: exact_one_turn with the matmul inlined (docs/exact.md, the fifteenth session)
+    for mode in inline true false; do
+      MT_ENV_EXACT_INLINE_MATMUL=$([ $mode = inline ] && echo 1 || echo 0) \
+        MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=$([ $mode = false ] && \
+        echo true || echo false) --set rollout.exact_logprobs=$([ $mode = false ] && echo false || echo true) \
+        --set rollout.max_turns=1 --steps 5 --out "$EXP/rl_step_one_turn_exact_$mode.json" 2>&1 \
+        | grep "^steady\|^rollout's\|^logprob\|^step \|B parameters"
+      echo "bench_rl_step one turn, exact $mode: rc=${PIPESTATUS[0]}"
+    done ;;
   exact_profile)  # an experiment: exact on and off on single-turn episodes (equal work), step 4 of 5 profiled in each
     # (the kernels of each phase, where the device waited) -> $EXP/profile_exact_{true,false}.txt, the update's printed;
     # `exact_profile true` or `exact_profile false`: one mode (at de08c82 one run with its trace outlasted 200 s)
@@ -125,8 +139,8 @@ case "${1:-}" in
       grep -A6 "the device waited in .*update" "$EXP/profile_exact_$on.txt"
     done ;;
   exact_host)  # an experiment: where the exact update's host time goes (docs/exact.md)
-    timeout "${EXACT_HOST_S:-300}" python3 benchmarks/exact_host.py --device cuda --cprofile 20 --ops 30 2>&1 \
-      | grep -v "Warn\|warn" | tail -140; echo "exact_host rc=${PIPESTATUS[0]}" ;;
+    timeout "${EXACT_HOST_S:-300}" python3 benchmarks/exact_host.py --device cuda --cprofile 20 --ops 30 --inline 2>&1 \
+      | grep -v "Warn\|warn" | tail -200; echo "exact_host rc=${PIPESTATUS[0]}" ;;
   step_vocab)  # an experiment: step1's run with the embedding cut to the tokenizer's 151,665 ids (the shape random-init
     # models had before 2026-12-06: unaligned LM-head matmuls) -> $EXP/rl_step_vocab151665.json
     rl_step --set model.config.vocab_size=151665 --out "$EXP/rl_step_vocab151665.json" 2>&1 | tail -12
@@ -187,7 +201,8 @@ case "${1:-}" in
       -p no:cacheprovider 2>&1 | tail -4; echo "cuda tests rc=${PIPESTATUS[0]}" ;;
   exact_tests)  # exact mode's CUDA tests (issue 28; ~6 min), the matmul's first
     MT_ENV_TEST_DEVICE=cuda timeout "${EXACT_TESTS_S:-540}" python3 -m pytest tests/test_triton_matmul.py \
-      tests/test_exact.py tests/test_exact_sampling.py tests/test_triton_exact.py -q -rfE -p no:cacheprovider \
+      tests/test_exact_inline.py tests/test_exact.py tests/test_exact_sampling.py tests/test_triton_exact.py -q -rfE \
+      -p no:cacheprovider \
       > "$EXP/exact_tests.txt" 2>&1
     echo "exact tests rc=$? (the whole output: \$EXP/exact_tests.txt)"; grep -E "^(FAILED|ERROR)|passed|failed" \
       "$EXP/exact_tests.txt" | tail -12 ;;

@@ -104,7 +104,7 @@ def test_a_call_takes_the_small_or_large_tile_only_where_it_gives_the_same_bits(
     monkeypatch.setattr(tm, "LARGE_M", 64)
     monkeypatch.setattr(tm, "_AGREES", {})
     used, launch = [], tm.launch
-    monkeypatch.setattr(tm, "launch", lambda x, w, out, t: used.append((len(x), t)) or launch(x, w, out, t))
+    monkeypatch.setattr(tm, "launch", lambda x, w, out, t, *traced: used.append((len(x), t)) or launch(x, w, out, t))
     x, w = randn(80, 160, seed=3, dtype=dtype), randn(48, 160, seed=4, dtype=dtype)
     middle = tm.matmul(x[:30], w)  # neither few nor many rows: the reference
     assert used[-1] == (30, tm.REFERENCE[dtype])
@@ -151,9 +151,9 @@ def test_the_tile_follows_the_shape(monkeypatch):
     """Which tile a shape gets, where every tile agrees: few rows a SMALL tile unless the reference already makes FULL
     tiles (the LM head), many rows the first LARGE tile that makes 1.5 tiles per SM without padding N by more than a
     quarter, else the last; rows in between the reference."""
-    monkeypatch.setattr(tm, "_agrees", lambda device, dtype, tile: True)
+    monkeypatch.setattr(tm, "_agrees", lambda device, dtype, tile, *traced: True)
     monkeypatch.setattr(tm, "_processors", lambda device: 132)
-    monkeypatch.setattr(tm, "_tma_ready", lambda x, w: True)
+    monkeypatch.setattr(tm, "_tma_ready", lambda x, w, *traced: True)
     dtype = torch.bfloat16
     (_, tiny), (_, small) = tm.SMALL[dtype]
     wide, narrow = tm.LARGE[dtype]
