@@ -31,7 +31,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .triton_matmul import REFERENCE, cdiv, next_power_of_2
+from .triton_matmul import REFERENCE, cdiv, inline, kernel, next_power_of_2
 from .triton_matmul import forward_bits_in_recompute, matmul, use_scratch  # noqa: F401  (`agents.exact` calls them)
 
 #: key positions per block of `attention`'s online softmax (the fixed split of the key axis)
@@ -154,6 +154,7 @@ def _attention_backward(ctx, grad):
 
 
 _attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)
+inline(_attention_op, lambda *args, traced: _attention(*args, traced=traced)[0])
 
 
 def _check_attention(q_shape: tuple, dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor,
@@ -184,7 +185,8 @@ def _reference(q, k, v, q_pos, k_len, scale):
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_len: torch.Tensor,
-               scale: float, k_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               scale: float, k_index: torch.Tensor | None = None,
+               traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`attention`'s output, and each (sequence, head, query) row's log-sum-exp of its scaled scores [S, heads, Tq]
     (float32; +inf for a row that sees no key): what flash attention's backward takes."""
     _check_attention(q.shape, q.dtype, k, v, k_index)
@@ -193,12 +195,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.T
     out = torch.zeros(S, heads, Tq, d, dtype=torch.float32, device=q.device)
     lse = torch.full((S, heads, Tq), float("inf"), dtype=torch.float32, device=q.device)
     _launch(q, k, v, q_pos.to(torch.int32).contiguous(), k_len, k_index, out, lse, S, Tq, q.stride()[:3],
-            out.stride()[:3], lse.stride()[:2], scale)
+            out.stride()[:3], lse.stride()[:2], scale, traced=traced)
     return out, lse
 
 
 def _flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, lengths: torch.Tensor,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, traced: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`_attention` of the trainer's flat rows, read and written in place: `q`, `k`, `v` [N, heads or kv_heads, d],
     query and key t of sequence s at row ``index[s, t]`` (t < ``lengths[s]``, at position t). Returns the output
     [N, heads, d] in q's dtype (0 on rows of no sequence; each query's bits those of `_attention` over the gathered
@@ -211,14 +213,14 @@ def _flat_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index: to
     lse = torch.full((q.shape[1], q.shape[0]), float("inf"), dtype=torch.float32, device=q.device)
     # (strides: no sequence stride, a query is a row; the positions are the queries' own indices, unread)
     _launch(q, k, v, lengths, lengths, index, out, lse, S, L, (0, q.stride(1), q.stride(0)),
-            (0, out.stride(1), out.stride(0)), (0, lse.stride(0)), scale, flat_queries=True)
+            (0, out.stride(1), out.stride(0)), (0, lse.stride(0)), scale, flat_queries=True, traced=traced)
     return out, lse
 
 
 def _launch(q, k, v, q_pos, k_len, k_index, out, lse, S: int, Tq: int, q_strides, out_strides, lse_strides,
-            scale: float, flat_queries: bool = False) -> None:
+            scale: float, flat_queries: bool = False, traced: bool = False) -> None:
     """The attention kernel over S sequences of Tq queries; (sequence, head, position) strides of q and out,
-    (sequence, head) of the log-sum-exp."""
+    (sequence, head) of the log-sum-exp (`traced`: the launch a node of the graph being traced)."""
     heads = q.shape[1]
     k, v = (t.to(q.dtype) if t.stride(-1) == 1 else t.to(q.dtype).contiguous() for t in (k, v))
     k_len = k_len.to(torch.int32).contiguous()
@@ -233,7 +235,8 @@ def _launch(q, k, v, q_pos, k_len, k_index, out, lse, S: int, Tq: int, q_strides
         return
     group = heads // kv_heads
     grid = (cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
-    _attention_kernel[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides, *k_strides,
+    kernel(_attention_kernel, traced)[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides,
+                                           *k_strides,
                             *v_strides, *out_strides, q_pos.stride(0), index.stride(0), *lse_strides,
                             GROUP=group, DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
                             BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
@@ -310,6 +313,8 @@ def _reference_backward(grad, q, k, v, index, lengths, seq, pos, real, scale, ne
 
 
 _sequence_op.register_autograd(_sequence_backward, setup_context=_sequence_setup)
+inline(_sequence_op, lambda q, k, v, index, lengths, seq, pos, real, segments, scale, traced:
+       _flat_attention(q, k, v, index, lengths, scale, traced))
 
 
 def _flash_backward_runs(q: torch.Tensor) -> bool:
@@ -431,7 +436,7 @@ def _check_row_sum(x: torch.Tensor) -> None:
         raise ValueError(f"exact row_sum: float32 in, got {x.dtype}")
 
 
-def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
+def _row_sum(x: torch.Tensor, keepdim: bool, traced: bool = False) -> torch.Tensor:
     _check_row_sum(x)
     n = x.shape[-1]
     rows = x.reshape(-1, n) if n else x.reshape(-1, 1)
@@ -440,10 +445,13 @@ def _row_sum(x: torch.Tensor, keepdim: bool) -> torch.Tensor:
     out = torch.zeros(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0] and n:
         block = min(SUM_BLOCK, next_power_of_2(n))
-        _row_sum_kernel[(rows.shape[0],)](rows, out, n, rows.stride(0), BLOCK=block, LEVELS=block.bit_length() - 1,
-                                          STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
-                                          num_warps=4 if block >= 512 else 1)
+        kernel(_row_sum_kernel, traced)[(rows.shape[0],)](
+            rows, out, n, rows.stride(0), BLOCK=block, LEVELS=block.bit_length() - 1,
+            STATIC_N=n if _INTERPRETED else 0, INTERPRETED=_INTERPRETED, num_warps=4 if block >= 512 else 1)
     return out.reshape(*x.shape[:-1], *((1,) if keepdim else ()))
+
+
+inline(_row_sum_op, _row_sum)
 
 
 # --------------------------------------------------------------------------------------------- softmax statistics

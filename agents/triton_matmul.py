@@ -19,7 +19,7 @@ Programs take tiles in groups of `Tile.group_m` tiles down M, across N within a 
 rows' tiles in flight both stay in L2 (down M alone re-read a 32k-row x from memory once per column of tiles).
 Inside a backward (activation checkpointing's recompute, whose values only feed gradients) the product is cuBLAS's,
 except under `forward_bits_in_recompute` (a recompute that must give the forward's bits). In compiled code on CUDA
-with `INLINE` on, the kernel is traced into the graph and Inductor launches it (`_inline`; its recompute then runs
+with `INLINE` on, the kernel is traced into the graph and Inductor launches it (`inline`; its recompute then runs
 the kernel too).
 Under Triton's interpreter (``TRITON_INTERPRET=1``) loop bounds are constants (`STATIC_*`), with the same masks.
 """
@@ -41,9 +41,9 @@ from torch.library import wrap_triton
 from torch.utils._python_dispatch import _disable_current_modes
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-#: in compiled code on CUDA, the kernel traced into the graph and launched by Inductor (`_inline`); off by default
-#: until a GPU has measured it (docs/exact.md, the fifteenth session): ``MT_ENV_EXACT_INLINE_MATMUL=1`` turns it on
-INLINE = os.environ.get("MT_ENV_EXACT_INLINE_MATMUL", "0") == "1"
+#: in compiled code on CUDA, exact mode's kernels traced into the graph and launched by Inductor (`inline`); off by
+#: default until a GPU has measured it (docs/exact.md, the fifteenth session): ``MT_ENV_EXACT_INLINE=1`` turns it on
+INLINE = os.environ.get("MT_ENV_EXACT_INLINE", "0") == "1"
 _IN_RECOMPUTE = threading.local()  #: `forward_bits_in_recompute`'s switch (on the thread the recompute runs on)
 
 
@@ -184,25 +184,32 @@ def _(x, weight):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def _inline(mode, op, types, args, kwargs):
-    """The op under AOTAutograd's functional tracing (compiled code). Where `_inlines`, its body is traced in its
-    place: the kernel becomes a node of the graph that Inductor launches from its own wrapper, the tile chosen at
-    trace time (its thresholds on M become guards of the graph), with no custom-op dispatch, tile choice or Triton
-    launcher in Python at run time; and the recompute of activation checkpointing runs the exact kernel too (the
-    same graph). `torch.library.triton_op` does this on every device, and the interpreter's kernels cannot be
-    traced: hence a rule of our own. Elsewhere the op stays one opaque call."""
-    x, weight = args
-    if not _inlines(x):
-        return mode.__torch_dispatch__(op, types, args, kwargs)
-    with mode:
-        return _matmul(x, weight, traced=True)
+def inline(op, body) -> None:
+    """Have custom op `op` traced as `body` (its implementation, called with ``traced=True``: its launches made
+    through `kernel`) under AOTAutograd's functional tracing, that is in compiled code, where `_inlines` its first
+    tensor: its kernels become nodes of the graph that Inductor launches from its own wrapper, with no custom-op
+    dispatch, no host choices (they are made at trace time: thresholds on sizes become guards of the graph) and no
+    Triton launcher Python at run time. Elsewhere the op stays one opaque call. (`torch.library.triton_op` does
+    this on every device, and the interpreter's kernels cannot be traced: hence a rule of our own.)"""
+
+    def rule(mode, func, types, args, kwargs):
+        if not _inlines(args[0]):
+            return mode.__torch_dispatch__(func, types, args, kwargs)
+        with mode:
+            return body(*args, **kwargs, traced=True)
+
+    op.register_torch_dispatch(FunctionalTensorMode, rule)
 
 
 def _inlines(x: torch.Tensor) -> bool:
     return INLINE and x.device.type == "cuda" and not _INTERPRETED
 
 
-_matmul_op.register_torch_dispatch(FunctionalTensorMode, _inline)
+def kernel(fn, traced: bool):
+    """Triton kernel `fn` as a launch will make it: recorded as a node of the graph being traced where `traced`
+    (`torch.library.wrap_triton`), else itself."""
+    return wrap_triton(fn) if traced else fn
+
 
 
 def _matmul_setup(ctx, inputs, output):
@@ -227,7 +234,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> torch.Tensor:
-    """The product by the kernel; `traced`: under `_inline`'s tracing (fake tensors, the launch a graph node)."""
+    """The product by the kernel; `traced`: under `inline`'s tracing (fake tensors, the launch a graph node)."""
     _check(x, weight)
     (M, K), N = x.shape, weight.shape[0]
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -236,6 +243,9 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> torc
     if K == 0:
         return out.zero_()
     return launch(x, weight, out, tile_for(x, weight, traced), traced)
+
+
+inline(_matmul_op, _matmul)  # (inlined, activation checkpointing's recompute runs the kernel too, not cuBLAS)
 
 
 def tile_for(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> Tile:
@@ -277,9 +287,8 @@ def _fills(tile: Tile, M: int, N: int, device: torch.device) -> bool:
 
 def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile, traced: bool = False) -> torch.Tensor:
     """Write ``x @ weight.T`` into `out` (fresh, contiguous) under `tile`: the kernel itself, no choice made;
-    `traced`: the launch recorded as a node of the graph being traced (`torch.library.wrap_triton`)."""
-    pointer_kernel, tma_kernel = (wrap_triton(_pointer_kernel), wrap_triton(_tma_kernel)) if traced else \
-        (_pointer_kernel, _tma_kernel)
+    `traced`: the launch recorded as a node of the graph being traced (`kernel`)."""
+    pointer_kernel, tma_kernel = kernel(_pointer_kernel, traced), kernel(_tma_kernel, traced)
     (M, K), N = x.shape, weight.shape[0]
     consts = dict(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                   IEEE=x.dtype == torch.float32, STATIC_K=K if _INTERPRETED else 0, INTERPRETED=_INTERPRETED,
@@ -300,7 +309,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, tile: Tile,
 def use_scratch() -> None:
     """Let the TMA kernel's launches on this thread (and its tasks) take their global memory from `_scratch`:
     Triton's allocator is a context variable, unset on a new thread. Each eager launch sets it; `agents.exact.ops`
-    does on entry, for the launches of compiled code (`_inline`), which Triton's launcher makes."""
+    does on entry, for the launches of compiled code (`inline`), which Triton's launcher makes."""
     triton.set_allocator(_scratch)
 
 

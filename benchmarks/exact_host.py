@@ -4,7 +4,8 @@ On a micro-batch so small that the device finishes each kernel before the host l
 is the host's: Python, the dispatcher, the launches. Measured with exact mode on and off, in one process:
 
 1. One matmul call of a few rows: ``F.linear``, exact mode's `triton_matmul.matmul` (the custom op, its choice of
-   tile), and `triton_matmul.launch` under each kind of tile alone; microseconds a call.
+   tile), `triton_matmul.launch` under each kind of tile alone, and the op in a compiled function, opaque and
+   inlined (`triton_matmul.inline`); microseconds a call.
 2. The update's forward and backward (`trainers.ppo.forward` with entropy, a loss of the masked sum, backward) on
    `--sequences` packed sequences of `--tokens` tokens, activation checkpointing on and the decoder layers compiled
    as the smoke recipe runs them (off: ``trainer.compile``; on: where exact mode compiles them): milliseconds an
@@ -12,8 +13,8 @@ is the host's: Python, the dispatcher, the launches. Measured with exact mode on
 3. ``--cprofile N``: the N Python functions of most own time over `--iters` iterations of each mode (cProfile).
 4. ``--ops N``: the N operations of most host time in one iteration of each mode (torch.profiler's self CPU time,
    by operation: a custom op's dispatch, a launch, an ATen call), without cProfile's per-call inflation.
-5. ``--inline``: exact mode a second time with its matmul traced into the compiled layers
-   (`agents.triton_matmul.INLINE`, ``MT_ENV_EXACT_INLINE_MATMUL=1``), compiled afresh.
+5. ``--inline``: exact mode a second time with its kernels traced into the compiled layers
+   (`agents.triton_matmul.INLINE`, ``MT_ENV_EXACT_INLINE=1``), compiled afresh.
 
     python benchmarks/exact_host.py --device cuda                  # bash benchmarks/run_gpu.sh exact_host
     python benchmarks/exact_host.py --device cpu --model tiny --iters 3
@@ -68,6 +69,8 @@ def matmul_calls(device: torch.device, calls: int) -> dict:
     for tile in (tm.REFERENCE[torch.bfloat16], *tm.LARGE[torch.bfloat16][-1:]):
         paths[f"launch {tile.kernel} {tile.block_m}x{tile.block_n}"] = (
             lambda t=tile: tm.launch(x, w, torch.empty(16, 896, dtype=x.dtype, device=device), t))
+    paths["compiled: the op, opaque"] = _compiled(_opaque_call, False, x, w)
+    paths["compiled: the kernel inlined"] = _compiled(_inlined_call, True, x, w)
     figures = {}
     for name, fn in paths.items():
         try:
@@ -77,6 +80,30 @@ def matmul_calls(device: torch.device, calls: int) -> dict:
             continue
         print(f"  {name:32s} {figures[name]:8.1f} us a call", flush=True)
     return figures
+
+
+def _opaque_call(x, w):
+    from agents import triton_matmul as tm
+
+    return tm.matmul(x, w)
+
+
+def _inlined_call(x, w):  # (the same body: its own code object, so its own compiled graph)
+    from agents import triton_matmul as tm
+
+    return tm.matmul(x, w)
+
+
+def _compiled(fn, inline: bool, x, w):
+    """`fn` compiled (and traced now) with exact mode's kernels inlined or not (the choice is the tracing's)."""
+    from agents import triton_matmul as tm
+
+    compiled, before, tm.INLINE = torch.compile(fn), tm.INLINE, inline
+    try:
+        compiled(x, w)
+    finally:
+        tm.INLINE = before
+    return lambda: compiled(x, w)
 
 
 def micro_batch(args, vocab: int, device: torch.device):
@@ -142,7 +169,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="print the N functions of most own time")
     ap.add_argument("--ops", type=int, default=0, metavar="N",
                     help="print the N operations of most host time in one iteration (torch.profiler)")
-    ap.add_argument("--inline", action="store_true", help="also exact mode with its matmul inlined in compiled code")
+    ap.add_argument("--inline", action="store_true", help="also exact mode with its kernels inlined in compiled code")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -154,7 +181,7 @@ def main(argv=None) -> dict:
     print(f"the update's forward and backward, {args.sequences} sequences of {args.tokens} tokens packed:")
     modes = [("off", False, False), ("on", True, False)] + [("on, inlined", True, True)] * args.inline
     for label, on, inline in modes:  # a model each: the plain one compiled as trainer.compile does, exact mode its own
-        _inline_matmul(inline)
+        _inline_kernels(inline)
         lm = build_causal_lm(**config, dtype=dtype).to(device)
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if not on:
@@ -164,8 +191,8 @@ def main(argv=None) -> dict:
     return figures
 
 
-def _inline_matmul(on: bool) -> None:
-    """Exact mode's matmul inlined in compiled code or not, from the next compilation: dynamo's caches go (the
+def _inline_kernels(on: bool) -> None:
+    """Exact mode's kernels inlined in compiled code or not, from the next compilation: dynamo's caches go (the
     choice is made when AOTAutograd traces, where dynamo keeps no guard on it)."""
     try:
         from agents import triton_matmul

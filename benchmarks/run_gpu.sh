@@ -32,15 +32,15 @@
 #                                        #   episodes (rollout.max_turns=1: a tool call's second turn, drawn by chance
 #                                        #   with a random model, is not in one run only), 5 steps each
 #                                        #   -> $EXP/rl_step_one_turn_exact_{true,false}.json
-#   bash benchmarks/run_gpu.sh exact_inline  # 1 GPU: exact_one_turn's run with exact mode's matmul inlined in compiled
-#                                        #   code (MT_ENV_EXACT_INLINE_MATMUL=1), then exact on as today, then off
+#   bash benchmarks/run_gpu.sh exact_inline  # 1 GPU: exact_one_turn's run with exact mode's kernels inlined in compiled
+#                                        #   code (MT_ENV_EXACT_INLINE=1), then exact on as today, then off
 #                                        #   -> $EXP/rl_step_one_turn_exact_{inline,true,false}.json (its tests:
-#                                        #   MT_ENV_EXACT_INLINE_MATMUL=1 bash benchmarks/run_gpu.sh exact_tests)
+#                                        #   MT_ENV_EXACT_INLINE=1 bash benchmarks/run_gpu.sh exact_tests)
 #   bash benchmarks/run_gpu.sh exact_profile [true|false]  # 1 GPU: exact on and off (or one), single-turn episodes,
 #                                        #   step 4 of 5 profiled: each phase's costliest kernels and waits
 #                                        #   -> $EXP/profile_exact_{true,false}.txt
 #   bash benchmarks/run_gpu.sh exact_host  # 1 GPU: the host's cost of exact mode's update on a tiny micro-batch, on and
-#                                        #   off (and on with the matmul inlined), and of one matmul call by each
+#                                        #   off (and on with the kernels inlined), and of one matmul call by each
 #                                        #   path; cProfile's costliest functions, torch.profiler's costliest operations
 #   bash benchmarks/run_gpu.sh step_vocab  # 1 GPU: step1 with the 0.5B's embedding cut to the tokenizer's 151,665
 #                                        #   rows (unaligned LM head, as before 2026-12-06) -> $EXP/rl_step_vocab151665.json
@@ -118,9 +118,9 @@ case "${1:-}" in
         --out "$EXP/rl_step_one_turn_exact_$on.json" 2>&1 | grep "^steady\|^rollout's\|^logprob\|^step \|B parameters"
       echo "bench_rl_step one turn, exact $on: rc=${PIPESTATUS[0]}"
     done ;;
-  exact_inline)  # an experiment: exact_one_turn with the matmul inlined (docs/exact.md, the fifteenth session)
+  exact_inline)  # an experiment: exact_one_turn with the kernels inlined (docs/exact.md, the fifteenth session)
     for mode in inline true false; do
-      MT_ENV_EXACT_INLINE_MATMUL=$([ $mode = inline ] && echo 1 || echo 0) \
+      MT_ENV_EXACT_INLINE=$([ $mode = inline ] && echo 1 || echo 0) \
         MT_ENV_EXACT_COMPILE_LAYERS=${EXACT_COMPILE_LAYERS:-1} rl_step --set trainer.compile=$([ $mode = false ] && \
         echo true || echo false) --set rollout.exact_logprobs=$([ $mode = false ] && echo false || echo true) \
         --set rollout.max_turns=1 --steps 5 --out "$EXP/rl_step_one_turn_exact_$mode.json" 2>&1 \

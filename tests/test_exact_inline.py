@@ -1,6 +1,6 @@
-"""Exact mode's matmul traced into compiled code (`agents.triton_matmul._inline`, ``MT_ENV_EXACT_INLINE_MATMUL=1``):
-under AOTAutograd's functional tracing the op's body replaces it, so that the kernel is a node of the graph that
-Inductor launches itself. On CPU the graphs are read, not run: Triton's NVIDIA compiler (no GPU) reads each kernel's
+"""Exact mode's kernels traced into compiled code (`agents.triton_matmul.inline`, ``MT_ENV_EXACT_INLINE=1``): under
+AOTAutograd's functional tracing each op's body replaces it (the matmul, the trainer's and the engine's attention,
+the row sum), so that its kernel is a node of the graph that Inductor launches itself. On CPU the graphs are read, not run: Triton's NVIDIA compiler (no GPU) reads each kernel's
 IR to find the tensors it writes, as it does on CUDA (a stand-in driver names an sm_90 target); the CUDA test runs
 them. Needs Triton; skipped under the interpreter (its kernels cannot be traced, and the op stays opaque there)."""
 
@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: E402
 
+from agents import exact, triton_exact  # noqa: E402
 from agents import triton_matmul as tm  # noqa: E402
 from .backend_hf_fixtures import DEVICE  # noqa: E402
 
@@ -50,7 +51,7 @@ def traced_on_cpu(monkeypatch):
         pytest.skip(f"no NVIDIA backend in this Triton: {error}")
     monkeypatch.setattr(triton.runtime.driver, "_active", _Sm90Driver())  # (restored after the test)
     monkeypatch.setattr(tm, "INLINE", True)
-    monkeypatch.setattr(tm, "_inlines", lambda x: tm.INLINE)
+    monkeypatch.setattr(tm, "_inlines", lambda x: tm.INLINE)  # (the ops look the function up when they run)
     monkeypatch.setattr(tm, "_tma_device", lambda device: True)
     for dtype, tiles in tm.LARGE.items():
         for tile in (*tiles, *(t for _, t in tm.SMALL.get(dtype, ()))):
@@ -113,6 +114,46 @@ def test_the_op_stays_one_opaque_call_where_it_is_not_inlined(traced_on_cpu, mon
           torch.randn(96, 64, dtype=torch.bfloat16, requires_grad=True))
     calls = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert "mt_env.exact_matmul.default" in calls and not _kernel_nodes(graphs[0])
+
+
+def _layer_like(q, k, v, index, lengths, seq, pos, real, segments):
+    """What a compiled layer calls between its matmuls: the trainer's and the engine's attention, a row sum."""
+    S, L = index.shape
+    out = triton_exact.sequence_attention(q, k, v, index, lengths, seq, pos, real, segments, 0.125)
+    engine = triton_exact.attention(q[index].transpose(1, 2), k, v, torch.arange(L, device=q.device).expand(S, L),
+                                    lengths, 0.125, index)
+    return triton_exact.row_sum(out.float().pow(2).flatten(1)), engine.sum()
+
+
+def _layout():
+    """Two packed sequences (5 and 3 tokens) and two tokens of none, as `agents.exact.sequences` lays them out."""
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 0]])
+    real = torch.tensor([[True] * 8 + [False] * 2])
+    layout = exact.sequences(position_ids, real)
+    return (layout.index, layout.lengths, layout.seq, layout.pos, layout.real, layout.segments)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU reading of the graphs")
+def test_the_attention_and_row_sum_kernels_are_traced_too_each_writing_only_its_outputs(traced_on_cpu):
+    graphs, backend = traced_on_cpu
+    q, k, v = (torch.randn(10, h, 64, dtype=torch.bfloat16, requires_grad=True) for h in (4, 2, 2))
+    _call(torch.compile(_layer_like, backend=backend, dynamic=True), q, k, v, *_layout())
+    nodes = _kernel_nodes(graphs[0])
+    kernels = [getattr(k, "fn", k) for k in (kernel_side_table.get_kernel(n.kwargs["kernel_idx"]) for n in nodes)]
+    assert kernels == [triton_exact._attention_kernel, triton_exact._attention_kernel, triton_exact._row_sum_kernel]
+    assert [sorted(n.kwargs["tensors_to_clone"]) for n in nodes] == [["lse_ptr", "out_ptr"]] * 2 + [["out_ptr"]]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="runs the inlined kernels: CUDA (MT_ENV_TEST_DEVICE=cuda)")
+def test_inlined_attention_and_row_sum_have_the_eager_bits(monkeypatch):
+    monkeypatch.setattr(tm, "INLINE", True)
+    torch._dynamo.reset()
+    q, k, v = (torch.randn(10, h, 64, device=DEVICE, dtype=torch.bfloat16) for h in (4, 2, 2))
+    layout = [t.to(DEVICE) for t in _layout()]
+    compiled = torch.compile(_layer_like, dynamic=True)
+    got, want = compiled(q, k, v, *layout), _layer_like(q, k, v, *layout)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="runs the inlined kernels: CUDA (MT_ENV_TEST_DEVICE=cuda)")
