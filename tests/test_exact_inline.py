@@ -144,6 +144,41 @@ def test_the_attention_and_row_sum_kernels_are_traced_too_each_writing_only_its_
     assert [sorted(n.kwargs["tensors_to_clone"]) for n in nodes] == [["lse_ptr", "out_ptr"]] * 2 + [["out_ptr"]]
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU reading of the graphs")
+def test_a_compiled_exact_layer_launches_all_its_kernels_itself(traced_on_cpu, monkeypatch):
+    """The trainer's exact model with its layers compiled as on CUDA: a layer's graph holds its ten kernels (seven
+    matmuls, the attention, two row sums) and no opaque exact op, each kernel writing only its outputs; a
+    micro-batch of another size class compiles one more graph, one of the first's class none."""
+    from agents import compiling
+    from benchmarks.bench_exact import TINY
+    from benchmarks.exact_host import micro_batch
+    from trainers.modeling import PolicyModel, build_causal_lm
+
+    graphs, backend = traced_on_cpu
+    monkeypatch.setattr(exact, "_ON_CPU", True)  # the kernels' ops, as on CUDA
+    monkeypatch.setattr(exact, "compiles_layers", lambda device: True)
+    monkeypatch.setattr(compiling, "_COMPILED", {})  # (a compiled layer function of its own, with this backend)
+    monkeypatch.setattr(compiling, "_inductor", backend)
+    lm = build_causal_lm(config=dict(TINY, hidden_size=128), vocab_size=500, dtype=torch.bfloat16)
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = PolicyModel(lm, exact=True).train()
+    compiled = []
+    for sequences, tokens in ((4, 300), (2, 40), (8, 400)):  # TMA-sized, decode-sized, TMA-sized
+        batch = micro_batch(type("Args", (), {"sequences": sequences, "tokens": tokens}), 500, torch.device("cpu"))
+        before = len(graphs)
+        _call(policy, batch.input_ids, batch.loss_mask, batch.attention_mask)  # (padded rows: 1,200, 80, 3,200)
+        compiled.append(len(graphs) - before)
+    assert compiled == [1, 1, 0]
+    for graph in graphs:
+        calls = [n for n in graph.graph.nodes if n.op == "call_function"]
+        assert not [n for n in calls if "mt_env" in str(n.target)]
+        nodes = _kernel_nodes(graph)
+        names = sorted(getattr(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]), "fn").__name__ for n in nodes)
+        matmuls = [name for name in names if name in ("_pointer_kernel", "_tma_kernel")]
+        assert len(matmuls) == 7 and names.count("_attention_kernel") == 1 and names.count("_row_sum_kernel") == 2
+        assert all(set(n.kwargs["tensors_to_clone"]) <= {"out_ptr", "lse_ptr"} for n in nodes)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="runs the inlined kernels: CUDA (MT_ENV_TEST_DEVICE=cuda)")
 def test_inlined_attention_and_row_sum_have_the_eager_bits(monkeypatch):
     monkeypatch.setattr(tm, "INLINE", True)
