@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 
 from torch._dynamo.backends.common import aot_autograd  # noqa: E402
 from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table  # noqa: E402
+from torch._subclasses.fake_tensor import is_fake  # noqa: E402
 
 from agents import exact, triton_exact  # noqa: E402
 from agents import triton_matmul as tm  # noqa: E402
@@ -82,8 +83,11 @@ def _kernel_nodes(gm):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU reading of the graphs; on CUDA the next test runs them")
-def test_compiled_code_holds_the_kernel_with_the_eager_tile_writing_only_its_output(traced_on_cpu):
+def test_compiled_code_holds_the_kernel_with_the_eager_tile_writing_only_its_output(traced_on_cpu, monkeypatch):
     graphs, backend = traced_on_cpu
+    probed = []  # the trace-time agreement check of the first TMA tile runs on real tensors, outside the tracing
+    monkeypatch.delitem(tm._AGREES, ("cpu", None, torch.bfloat16, tm.LARGE[torch.bfloat16][0]))
+    monkeypatch.setattr(tm, "_probe", lambda device, dtype, tile: probed.append(is_fake(torch.empty(1))) or True)
     weight = torch.randn(896, 640, dtype=torch.bfloat16, requires_grad=True)
     f = torch.compile(lambda x, w: tm.matmul(torch.nn.functional.silu(x), w) * 2, backend=backend, dynamic=True)
     seen, compiled = [], {}
@@ -103,6 +107,7 @@ def test_compiled_code_holds_the_kernel_with_the_eager_tile_writing_only_its_out
     assert seen == ["tma", "pointer", "tma", "pointer"]
     # the tile's thresholds on M are the graphs' guards: 4,096 rows reuse 2,048's graph, 40 rows 64's
     assert compiled == {2048: True, 64: True, 4096: False, 40: False} and len(graphs) == 2
+    assert probed == [False]
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU reading of the graphs")
