@@ -274,11 +274,71 @@ def test_an_exact_chunks_recomputation_takes_the_forwards_logits_and_softmax_sta
 
 
 # --------------------------------------------------------------------------------------------- compiled layers
+def test_the_engines_compiled_exact_layers_route_inside_their_graph(layer_compiler, monkeypatch):
+    """The engine's side of the test below: where exact mode compiles the engine's layer functions, its routing is
+    traced into their graph and set aside while it runs (`agents.engine.layers.RoutedLayer`), so a generation's
+    routed operations grow by at most a few a layer (over 50 a layer's call when the compiled code ran under it),
+    and the sampled logprobs are still the trainer's (its layers compiled too), bit for bit (on CPU: dynamo and
+    AOTAutograd on both sides, no Inductor)."""
+    import asyncio
+
+    from agents import compiling
+    from agents.backend import SamplingParams
+    from agents.engine.layers import routed_layer
+    from agents.hf_backend import HFBackend
+    from mt_env.batch import collate
+    from mt_env.sample import Sample
+
+    from .backend_hf_fixtures import run
+
+    monkeypatch.setattr(exact, "_ON_CPU", True)  # the kernels, also under the interpreter
+    if DEVICE != "cuda":  # (as `layer_compiler` compiles the trainer's: dynamo and AOTAutograd, no Inductor)
+        light = compiling.Compiled(routed_layer)
+        light._compiled = torch.compile(routed_layer, backend="aot_eager", dynamic=True)
+        monkeypatch.setitem(compiling._COMPILED, routed_layer, light)
+    routed = []
+    route = exact._ExactOps.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if not torch.compiler.is_compiling():
+            routed.append(func)
+        return route(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(exact._ExactOps, "__torch_function__", counted)
+    prompts = [[3, 9, 4, 1, 7], [5, 2, 8], [1, 1, 2, 3, 5, 8, 13]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(len(prompts))]
+
+    async def sample(lm):
+        async with HFBackend(lm, seed=0, fast_path=True, compile=False, cuda_graphs=False, exact=True) as backend:
+            return await asyncio.gather(*(backend.generate(p, q) for p, q in zip(prompts, params))), backend
+    counts = {}
+    for layers in (2, 4):
+        for compiles in (False, True):
+            monkeypatch.setattr(exact, "compiles_layers", lambda device, on=compiles: on)
+            torch.manual_seed(7)
+            lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=layers,
+                                              num_attention_heads=4, num_key_value_heads=2,
+                                              intermediate_size=128)).to(DEVICE).eval()
+            routed.clear()
+            turns, backend = run(sample(lm), 120)
+            counts[layers, compiles] = len(routed) / (backend.stats["prefill_passes"] + backend.stats["decode_passes"])
+            assert backend.compile_reason.startswith("on:" if compiles else "off:"), backend.compile_reason
+    assert compiling.compiled(routed_layer).failure is None, compiling.compiled(routed_layer).failure
+    per_layer_call = {on: (counts[4, on] - counts[2, on]) / 2 for on in (False, True)}  # (routed a pass, a layer)
+    assert per_layer_call[True] == 0 and per_layer_call[False] > 50, per_layer_call
+    samples = [Sample.single_turn(p, t.ids, t.logprobs, episode=b) for b, (p, t) in enumerate(zip(prompts, turns))]
+    batch = collate(samples, pad_token_id=0).to(DEVICE)
+    with torch.no_grad():
+        logprobs, _ = PolicyModel(lm, exact=True)(batch.input_ids, batch.loss_mask, batch.attention_mask)
+    on = batch.loss_mask > 0
+    assert torch.equal(logprobs[on], batch.rollout_logprobs[on])
+
+
 def test_compiled_exact_layers_route_inside_their_graph_and_under_activation_checkpointing(layer_compiler,
                                                                                             monkeypatch):
     """Where exact mode compiles the trainer's layers (CUDA; here wherever the kernels run, on CPU captured by
-    dynamo and AOTAutograd without Inductor), its routing is traced into the layers' graph and set aside while the graph runs: the
-    compiled code's own Python (autograd's views, grad mode, detaches: about 170 operations a layer) does not go
+    dynamo and AOTAutograd without Inductor), its routing is traced into the layers' graph and set aside while the
+    graph runs: the compiled code's own Python (autograd's views, grad mode, detaches: about 170 operations a layer) does not go
     through `_ExactOps.__torch_function__`: a step's routed operations grow by at most one a layer. Under
     activation checkpointing the layers run compiled and recompute (a CheckpointError before: traced by Dynamo,
     transformers' checkpoint broke the graph), with the eager exact model's logprobs and, on CPU, gradients."""

@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .. import exact
+from ..compiling import compiled
 from . import attention
 from .attention import flat_positions
 
@@ -87,3 +89,24 @@ COMPILED_FUNCTIONS = (*STEP_FUNCTIONS, prefill_layer)
 #: those exact mode compiles (`agents.exact.compiles_layers`): the trainer compiles its decoder layers and nothing
 #: around them, so the embedding, RoPE tables, final norm and LM head stay eager on both sides
 LAYER_FUNCTIONS = (decode_layer, prefill_layer)
+
+
+def routed_layer(fn: Callable, *args):
+    """Exact mode's compiled layer function: `fn` (of `LAYER_FUNCTIONS`) under exact mode's routing, entered inside
+    the compiled function (`agents.exact.routing`)."""
+    with exact.routing(True):
+        return fn(*args)
+
+
+class RoutedLayer:
+    """`fn` as exact mode runs it compiled: `routed_layer` compiled, called with this thread's routing set aside
+    (`agents.exact.routed_inside`), as the trainer calls its layers (`trainers.modeling._run_compiled`). Compiled
+    code called under the routing sends every operation of its Python wrappers through it (about 145 a layer's
+    call); traced inside, the routing costs nothing at run time."""
+
+    def __init__(self, fn: Callable):
+        self.fn, self.compiled = fn, compiled(routed_layer)
+
+    def __call__(self, *args):
+        with exact.routed_inside(True):
+            return self.compiled(self.fn, *args)

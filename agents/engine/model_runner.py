@@ -29,7 +29,7 @@ from .blocks import NULL_BLOCK
 from . import config as knobs
 from .config import EngineConfig
 from .graphs import CudaGraphs
-from .layers import COMPILED_FUNCTIONS, LAYER_FUNCTIONS, STEP_FUNCTIONS
+from .layers import COMPILED_FUNCTIONS, LAYER_FUNCTIONS, STEP_FUNCTIONS, RoutedLayer
 from .layout import DecoderLayout, kv_dtype, module_device
 from .sampler import RowSampling, cdf_dtype, sample_tokens, to_device
 
@@ -123,12 +123,12 @@ class ModelRunner:
         device = module_device(model)
         self.exact = config.exact
         if self.exact:  # the trainer's choice too (`exact.compiles_layers`): its layers compiled, nothing else
-            self.compiles, chosen = exact.compiles_layers(device), LAYER_FUNCTIONS
+            self.compiles, chosen, compile_fn = exact.compiles_layers(device), LAYER_FUNCTIONS, RoutedLayer
         else:
             self.compiles = config.compile is True or (config.compile == "auto" and device.type == "cuda")
-            chosen = COMPILED_FUNCTIONS
+            chosen, compile_fn = COMPILED_FUNCTIONS, compiled
         self.kernel = "exact" if self.exact else _attention_kernel(config.attention, device, layout.head_dim)
-        self._functions = {fn.__name__: compiled(fn) if self.compiles and fn in chosen else fn
+        self._functions = {fn.__name__: compile_fn(fn) if self.compiles and fn in chosen else fn
                            for fn in COMPILED_FUNCTIONS}
         self._step_functions = tuple(self._functions[fn.__name__] for fn in STEP_FUNCTIONS)
         self.graphs = CudaGraphs(device, stats) if config.cuda_graphs and device.type == "cuda" else None
@@ -427,7 +427,7 @@ class ModelRunner:
         functions = list(self._functions.values())
         if functions == list(COMPILED_FUNCTIONS):
             return "off: eager decode step and prefill"
-        compiled_functions = [fn for fn in functions if isinstance(fn, Compiled)]
+        compiled_functions = [f for f in (getattr(fn, "compiled", fn) for fn in functions) if isinstance(f, Compiled)]
         failures = [fn.failure for fn in compiled_functions if fn.failure]
         if not failures:
             return ("on: the decode step's and the prefill's layers compiled by Inductor (exact mode)" if self.exact
