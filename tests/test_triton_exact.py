@@ -277,7 +277,7 @@ def test_an_exact_chunks_recomputation_takes_the_forwards_logits_and_softmax_sta
 def test_the_engines_compiled_exact_layers_route_inside_their_graph(layer_compiler, monkeypatch):
     """The engine's side of the test below: where exact mode compiles the engine's layer functions, its routing is
     traced into their graph and set aside while it runs (`agents.engine.layers.RoutedLayer`), so a generation's
-    routed operations grow by at most a few a layer (over 50 a layer's call when the compiled code ran under it),
+    routed operations do not grow with the layers (eager: 72 a layer a pass; compiled under the routing: 62),
     and the sampled logprobs are still the trainer's (its layers compiled too), bit for bit (on CPU: dynamo and
     AOTAutograd on both sides, no Inductor)."""
     import asyncio
