@@ -235,13 +235,12 @@ def _launch(q, k, v, q_pos, k_len, k_index, out, lse, S: int, Tq: int, q_strides
         return
     group = heads // kv_heads
     grid = (cdiv(Tq * group, QUERY_BLOCK), S, kv_heads)
-    kernel(_attention_kernel, traced)[grid](q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides,
-                                           *k_strides,
-                            *v_strides, *out_strides, q_pos.stride(0), index.stride(0), *lse_strides,
-                            GROUP=group, DIM=d, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_M=QUERY_BLOCK,
-                            BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
-                            FLAT_QUERIES=flat_queries, STATIC_KEYS=Tk if _INTERPRETED else 0,
-                            INTERPRETED=_INTERPRETED, num_warps=4, num_stages=2)
+    kernel(_attention_kernel, traced)[grid](
+        q, k, v, q_pos, k_len, index, out, lse, Tq, Tk, scale, *q_strides, *k_strides, *v_strides, *out_strides,
+        q_pos.stride(0), index.stride(0), *lse_strides, GROUP=group, DIM=d, BLOCK_D=max(16, next_power_of_2(d)),
+        BLOCK_M=QUERY_BLOCK, BLOCK_N=KEY_BLOCK, IEEE=q.dtype == torch.float32, INDEXED=k_index is not None,
+        FLAT_QUERIES=flat_queries, STATIC_KEYS=Tk if _INTERPRETED else 0, INTERPRETED=_INTERPRETED, num_warps=4,
+        num_stages=2)
 
 
 # --------------------------------------------------------------------------------------------- the trainer's attention

@@ -211,7 +211,6 @@ def kernel(fn, traced: bool):
     return wrap_triton(fn) if traced else fn
 
 
-
 def _matmul_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs)
 
@@ -315,8 +314,8 @@ def use_scratch() -> None:
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     """Global memory for a launch of the TMA kernel, where its programs write their descriptors (Triton's allocator
-    protocol; on the current CUDA device, where Triton launches): the caching allocator's, freed after the launch in
-    stream order."""
+    protocol; on the current CUDA device, where Triton launches): the caching allocator's (its 512-byte alignment
+    covers the `alignment` asked), freed after the launch in stream order."""
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
