@@ -328,7 +328,8 @@ def _tma_ready(x: torch.Tensor, weight: torch.Tensor, traced: bool = False) -> b
     unit = 1 if _INTERPRETED else x.element_size()
     strides = (x.stride(0), weight.stride(0), weight.shape[0])
     bases = (x.storage_offset() * unit, weight.storage_offset() * unit) if traced else (x.data_ptr(), weight.data_ptr())
-    return x.stride(1) == 1 and weight.stride(1) == 1 and all(s * unit % 16 == 0 for s in (*strides, *bases))
+    return (x.stride(1) == 1 and weight.stride(1) == 1 and all(s * unit % 16 == 0 for s in strides)
+            and all(b % 16 == 0 for b in bases))  # (bases in bytes already)
 
 
 def _tma_device(device: torch.device) -> bool:

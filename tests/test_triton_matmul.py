@@ -67,6 +67,18 @@ def test_tma_serves_only_operands_it_can_read():
     assert not tm._tma_ready(randn(2561, seed=4)[1:].view(40, 64), w)  # a base 4 bytes past alignment
 
 
+def test_tma_wants_16_byte_bases_whatever_the_element_size(monkeypatch):
+    """Off the interpreter strides count in bytes (element size x stride), a base address is bytes already: a
+    bfloat16 operand 8 bytes past alignment (4 elements) is refused, as on a GPU."""
+    monkeypatch.setattr(tm, "_INTERPRETED", False)
+    monkeypatch.setattr(tm, "_tma_device", lambda device: True)
+    w = torch.zeros(32, 64, dtype=torch.bfloat16)
+    storage = torch.zeros(40 * 64 + 8, dtype=torch.bfloat16)
+    start = next(i for i in range(8) if storage[i:].data_ptr() % 16 == 0)
+    assert tm._tma_ready(storage[start:start + 40 * 64].view(40, 64), w)
+    assert not tm._tma_ready(storage[start + 4:start + 4 + 40 * 64].view(40, 64), w)
+
+
 def test_matmul_inside_a_backward_is_torchs_product():
     """Activation checkpointing recomputes a layer in backward, where only gradients read the values: there the op is
     cuBLAS's ``x @ w.T`` (torch's bits), outside a backward the kernel's."""
