@@ -274,7 +274,22 @@ def test_an_exact_chunks_recomputation_takes_the_forwards_logits_and_softmax_sta
 
 
 # --------------------------------------------------------------------------------------------- compiled layers
-def test_the_engines_compiled_exact_layers_route_inside_their_graph(layer_compiler, monkeypatch):
+@pytest.fixture
+def routed(monkeypatch) -> list:
+    """The operations exact mode's routing (`_ExactOps.__torch_function__`) sees while code runs (not while dynamo
+    traces it), in a list the test clears."""
+    seen, route = [], exact._ExactOps.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if not torch.compiler.is_compiling():
+            seen.append(func)
+        return route(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(exact._ExactOps, "__torch_function__", counted)
+    return seen
+
+
+def test_the_engines_compiled_exact_layers_route_inside_their_graph(layer_compiler, routed, monkeypatch):
     """The engine's side of the test below: where exact mode compiles the engine's layer functions, its routing is
     traced into their graph and set aside while it runs (`agents.engine.layers.RoutedLayer`), so a generation's
     routed operations do not grow with the layers (eager: 72 a layer a pass; compiled under the routing: 62),
@@ -296,15 +311,6 @@ def test_the_engines_compiled_exact_layers_route_inside_their_graph(layer_compil
         light = compiling.Compiled(routed_layer)
         light._compiled = torch.compile(routed_layer, backend="aot_eager", dynamic=True)
         monkeypatch.setitem(compiling._COMPILED, routed_layer, light)
-    routed = []
-    route = exact._ExactOps.__torch_function__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        if not torch.compiler.is_compiling():
-            routed.append(func)
-        return route(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(exact._ExactOps, "__torch_function__", counted)
     prompts = [[3, 9, 4, 1, 7], [5, 2, 8], [1, 1, 2, 3, 5, 8, 13]]
     params = [SamplingParams(temperature=1.0, max_new_tokens=4, seed=i) for i in range(len(prompts))]
 
@@ -334,25 +340,16 @@ def test_the_engines_compiled_exact_layers_route_inside_their_graph(layer_compil
     assert torch.equal(logprobs[on], batch.rollout_logprobs[on])
 
 
-def test_compiled_exact_layers_route_inside_their_graph_and_under_activation_checkpointing(layer_compiler,
+def test_compiled_exact_layers_route_inside_their_graph_and_under_activation_checkpointing(layer_compiler, routed,
                                                                                             monkeypatch):
     """Where exact mode compiles the trainer's layers (CUDA; here wherever the kernels run, on CPU captured by
     dynamo and AOTAutograd without Inductor), its routing is traced into the layers' graph and set aside while the
-    graph runs: the compiled code's own Python (autograd's views, grad mode, detaches: about 170 operations a layer) does not go
-    through `_ExactOps.__torch_function__`: a step's routed operations grow by at most one a layer. Under
+    graph runs: the compiled code's own Python (autograd's views, grad mode, detaches: about 170 operations a layer)
+    does not go through `_ExactOps.__torch_function__`: a step's routed operations grow by at most one a layer. Under
     activation checkpointing the layers run compiled and recompute (a CheckpointError before: traced by Dynamo,
     transformers' checkpoint broke the graph), with the eager exact model's logprobs and, on CPU, gradients."""
     monkeypatch.setattr(exact, "_ON_CPU", True)  # the kernels, also under the interpreter
     monkeypatch.setattr(exact, "compiles_layers", lambda device: True)
-    routed = []
-    route = exact._ExactOps.__torch_function__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        if not torch.compiler.is_compiling():
-            routed.append(func)
-        return route(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(exact._ExactOps, "__torch_function__", counted)
     ids = torch.randint(0, 96, (3, 21), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     mask = torch.ones(3, 21, device=DEVICE)
     mask[:, :5] = 0
